@@ -1,0 +1,212 @@
+//! Batches from the sampler, read into owned values with every list checked against
+//! the schema's limits. Anything over a limit rejects the whole batch.
+
+use firn_schema::firn_capnp::{batch, StackStatus};
+use firn_schema::limits;
+use serde::Serialize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("malformed batch: {0}")]
+    Capnp(#[from] capnp::Error),
+    #[error("batch has {got} {what}, over the limit of {limit}")]
+    TooMany {
+        what: &'static str,
+        got: u32,
+        limit: u32,
+    },
+    #[error("sample refers to kernel symbol {index} of {len}")]
+    BadSymbol { index: u32, len: usize },
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub file_offset: u64,
+    pub dev_major: u32,
+    pub dev_minor: u32,
+    pub inode: u64,
+    pub path: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Process {
+    pub process_id: u64,
+    pub pid: u32,
+    pub start_time_ns: u64,
+    pub ppid: u32,
+    pub uid: u32,
+    pub comm: String,
+    pub exe: String,
+    pub cmdline: Vec<String>,
+    pub cgroup: String,
+    pub mappings: Vec<Mapping>,
+    pub mappings_version: u32,
+    pub complete: bool,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Stack {
+    Ok,
+    Absent,
+    Lost,
+    Error,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    pub process_id: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: String,
+    pub count: u64,
+    pub user_frames: Vec<u64>,
+    pub kernel_frames: Vec<u32>,
+    pub user_stack: Stack,
+    pub kernel_stack: Stack,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Batch {
+    pub session_id: u64,
+    pub round: u64,
+    pub start_time_ns: u64,
+    pub end_time_ns: u64,
+    pub frequency_hz: u32,
+    pub dropped_batches: u64,
+    pub processes: Vec<Process>,
+    pub samples: Vec<Sample>,
+    pub kernel_symbols: Vec<String>,
+    pub counters: Vec<(String, u64)>,
+}
+
+fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
+    if got > limit {
+        Err(DecodeError::TooMany { what, got, limit })
+    } else {
+        Ok(())
+    }
+}
+
+fn bytes(d: capnp::data::Reader<'_>, what: &'static str) -> Result<String, DecodeError> {
+    check(what, d.len() as u32, limits::MAX_PATH_BYTES)?;
+    Ok(String::from_utf8_lossy(d).into_owned())
+}
+
+fn stack(s: Result<StackStatus, capnp::NotInSchema>) -> Stack {
+    match s {
+        Ok(StackStatus::Ok) => Stack::Ok,
+        Ok(StackStatus::Absent) => Stack::Absent,
+        Ok(StackStatus::Lost) => Stack::Lost,
+        Ok(StackStatus::Error) | Err(_) => Stack::Error,
+    }
+}
+
+pub fn counters(
+    list: capnp::struct_list::Reader<'_, firn_schema::firn_capnp::counter::Owned>,
+) -> Result<Vec<(String, u64)>, DecodeError> {
+    check("counters", list.len(), limits::MAX_COUNTERS)?;
+    list.iter()
+        .map(|c| {
+            Ok((
+                c.get_name()?.to_string().unwrap_or_default(),
+                c.get_value(),
+            ))
+        })
+        .collect()
+}
+
+pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
+    let syms = b.get_kernel_symbols()?;
+    check("kernel symbols", syms.len(), limits::MAX_KERNEL_SYMBOLS)?;
+    let kernel_symbols = syms
+        .iter()
+        .map(|s| {
+            let s = s?;
+            check("symbol bytes", s.len() as u32, limits::MAX_SYMBOL_BYTES)?;
+            Ok(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        })
+        .collect::<Result<Vec<_>, DecodeError>>()?;
+
+    let procs = b.get_processes()?;
+    check("processes", procs.len(), limits::MAX_PROCESSES)?;
+    let mut processes = Vec::with_capacity(procs.len() as usize);
+    for p in procs.iter() {
+        let maps = p.get_mappings()?;
+        check("mappings", maps.len(), limits::MAX_MAPPINGS)?;
+        let args = p.get_cmdline()?;
+        check("arguments", args.len(), limits::MAX_CMDLINE_ARGS)?;
+        processes.push(Process {
+            process_id: p.get_process_id(),
+            pid: p.get_pid(),
+            start_time_ns: p.get_start_time_ns(),
+            ppid: p.get_ppid(),
+            uid: p.get_uid(),
+            comm: bytes(p.get_comm()?, "comm bytes")?,
+            exe: bytes(p.get_exe()?, "exe bytes")?,
+            cmdline: args
+                .iter()
+                .map(|a| bytes(a?, "argument bytes"))
+                .collect::<Result<_, _>>()?,
+            cgroup: bytes(p.get_cgroup()?, "cgroup bytes")?,
+            mappings: maps
+                .iter()
+                .map(|m| {
+                    Ok(Mapping {
+                        start: m.get_start(),
+                        end: m.get_end(),
+                        file_offset: m.get_file_offset(),
+                        dev_major: m.get_dev_major(),
+                        dev_minor: m.get_dev_minor(),
+                        inode: m.get_inode(),
+                        path: bytes(m.get_path()?, "path bytes")?,
+                    })
+                })
+                .collect::<Result<_, DecodeError>>()?,
+            mappings_version: p.get_mappings_version(),
+            complete: p.get_complete(),
+        });
+    }
+
+    let list = b.get_samples()?;
+    check("samples", list.len(), limits::MAX_SAMPLES)?;
+    let mut samples = Vec::with_capacity(list.len() as usize);
+    for s in list.iter() {
+        let user = s.get_user_frames()?;
+        check("user frames", user.len(), limits::MAX_FRAMES)?;
+        let kernel = s.get_kernel_frames()?;
+        check("kernel frames", kernel.len(), limits::MAX_FRAMES)?;
+        let kernel_frames: Vec<u32> = kernel.iter().collect();
+        if let Some(&index) = kernel_frames.iter().find(|&&i| i as usize >= kernel_symbols.len()) {
+            return Err(DecodeError::BadSymbol {
+                index,
+                len: kernel_symbols.len(),
+            });
+        }
+        samples.push(Sample {
+            process_id: s.get_process_id(),
+            pid: s.get_pid(),
+            tid: s.get_tid(),
+            comm: bytes(s.get_comm()?, "comm bytes")?,
+            count: s.get_count(),
+            user_frames: user.iter().collect(),
+            kernel_frames,
+            user_stack: stack(s.get_user_stack()),
+            kernel_stack: stack(s.get_kernel_stack()),
+        });
+    }
+    Ok(Batch {
+        session_id: b.get_session_id(),
+        round: b.get_round(),
+        start_time_ns: b.get_start_time_ns(),
+        end_time_ns: b.get_end_time_ns(),
+        frequency_hz: b.get_frequency_hz(),
+        dropped_batches: b.get_dropped_batches(),
+        processes,
+        samples,
+        kernel_symbols,
+        counters: counters(b.get_counters()?)?,
+    })
+}

@@ -1,0 +1,219 @@
+//! Connection to the sampler: connect with capped exponential backoff, check the
+//! protocol version, subscribe, and hand decoded batches to the rest of the enricher.
+//! A sampler restart only costs a reconnect.
+
+use std::cell::Cell;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Duration;
+
+use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
+use firn_schema::firn_capnp::{batch_sink, sampler};
+use firn_schema::PROTOCOL_VERSION;
+use tokio::sync::mpsc;
+use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+
+use crate::batch::{self, Batch};
+
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(
+        "protocol version mismatch: this firn-enricher speaks version {ours}, the sampler \
+         {theirs}; run matching firn versions"
+    )]
+    Version { ours: u32, theirs: String },
+}
+
+#[derive(Debug, Clone)]
+pub struct SamplerInfo {
+    pub session_id: u64,
+    pub node: String,
+    pub kernel_release: String,
+    pub frequency_hz: u32,
+    pub round_seconds: u32,
+    pub kept_capabilities: Vec<String>,
+    pub counters: Vec<(String, u64)>,
+}
+
+pub enum Event {
+    Connected(SamplerInfo),
+    Batch(Batch),
+    Disconnected,
+}
+
+#[derive(Default)]
+pub struct ClientCounters {
+    pub connects: Cell<u64>,
+    pub connect_failures: Cell<u64>,
+    pub disconnects: Cell<u64>,
+    pub batches_received: Cell<u64>,
+    pub batches_rejected: Cell<u64>,
+}
+
+struct Sink {
+    tx: mpsc::Sender<Event>,
+    counters: Rc<ClientCounters>,
+}
+
+impl batch_sink::Server for Sink {
+    fn push(
+        self: Rc<Self>,
+        params: batch_sink::PushParams,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let decoded = params
+            .get()
+            .and_then(|p| p.get_batch())
+            .map_err(batch::DecodeError::from)
+            .and_then(batch::decode);
+        async move {
+            match decoded {
+                Ok(b) => {
+                    let c = &self.counters.batches_received;
+                    c.set(c.get() + 1);
+                    // Awaiting here is the flow control: a busy enricher slows the
+                    // stream, and the sampler's bounded queue absorbs the rest.
+                    let _ = self.tx.send(Event::Batch(b)).await;
+                }
+                Err(e) => {
+                    let c = &self.counters.batches_rejected;
+                    c.set(c.get() + 1);
+                    tracing::warn!(error = %e, "batch rejected");
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Runs forever: connects, subscribes, forwards events, reconnects. Returns only on a
+/// protocol version mismatch, which no retry can fix.
+pub async fn run(
+    socket: PathBuf,
+    tx: mpsc::Sender<Event>,
+    counters: Rc<ClientCounters>,
+) -> ClientError {
+    let mut backoff = FIRST_BACKOFF;
+    let mut logged_down = false;
+    loop {
+        match tokio::net::UnixStream::connect(&socket).await {
+            Ok(stream) => {
+                counters.connects.set(counters.connects.get() + 1);
+                logged_down = false;
+                match session(stream, &tx, &counters).await {
+                    Ok(()) => backoff = FIRST_BACKOFF,
+                    Err(SessionEnd::Fatal(e)) => return e,
+                    Err(SessionEnd::Other(msg)) => {
+                        tracing::warn!(error = %msg, "sampler connection ended");
+                    }
+                }
+                counters.disconnects.set(counters.disconnects.get() + 1);
+                let _ = tx.send(Event::Disconnected).await;
+            }
+            Err(e) => {
+                counters
+                    .connect_failures
+                    .set(counters.connect_failures.get() + 1);
+                if !logged_down {
+                    tracing::warn!(socket = %socket.display(), error = %e, "cannot reach the sampler; retrying with backoff");
+                    logged_down = true;
+                }
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+enum SessionEnd {
+    Fatal(ClientError),
+    Other(String),
+}
+
+async fn session(
+    stream: tokio::net::UnixStream,
+    tx: &mpsc::Sender<Event>,
+    counters: &Rc<ClientCounters>,
+) -> Result<(), SessionEnd> {
+    let (r, w) = stream.into_split();
+    let network = twoparty::VatNetwork::new(
+        r.compat(),
+        w.compat_write(),
+        Side::Client,
+        firn_schema::enricher_reader_options(),
+    );
+    let mut rpc = RpcSystem::new(Box::new(network), None);
+    let client: sampler::Client = rpc.bootstrap(Side::Server);
+    let done = tokio::task::spawn_local(rpc);
+
+    let other = |e: capnp::Error| SessionEnd::Other(e.to_string());
+    let mut req = client.info_request();
+    req.get().set_protocol_version(PROTOCOL_VERSION);
+    let reply = match req.send().promise.await {
+        Ok(r) => r,
+        Err(e) if e.to_string().contains("protocol version mismatch") => {
+            return Err(SessionEnd::Fatal(ClientError::Version {
+                ours: PROTOCOL_VERSION,
+                theirs: e.to_string(),
+            }))
+        }
+        Err(e) => return Err(other(e)),
+    };
+    let info = reply.get().and_then(|r| r.get_info()).map_err(other)?;
+    if info.get_protocol_version() != PROTOCOL_VERSION {
+        return Err(SessionEnd::Fatal(ClientError::Version {
+            ours: PROTOCOL_VERSION,
+            theirs: info.get_protocol_version().to_string(),
+        }));
+    }
+    let text = |t: capnp::Result<capnp::text::Reader<'_>>| {
+        t.ok()
+            .and_then(|t| t.to_string().ok())
+            .unwrap_or_default()
+    };
+    let sampler_info = SamplerInfo {
+        session_id: info.get_session_id(),
+        node: text(info.get_node()),
+        kernel_release: text(info.get_kernel_release()),
+        frequency_hz: info.get_frequency_hz(),
+        round_seconds: info.get_round_seconds(),
+        kept_capabilities: info
+            .get_kept_capabilities()
+            .map(|l| l.iter().map(text).collect())
+            .unwrap_or_default(),
+        counters: info
+            .get_counters()
+            .map_err(batch::DecodeError::from)
+            .and_then(batch::counters)
+            .unwrap_or_default(),
+    };
+    tracing::info!(
+        session = sampler_info.session_id,
+        node = %sampler_info.node,
+        frequency_hz = sampler_info.frequency_hz,
+        round_seconds = sampler_info.round_seconds,
+        "connected to the sampler"
+    );
+    let _ = tx.send(Event::Connected(sampler_info)).await;
+
+    let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
+        tx: tx.clone(),
+        counters: counters.clone(),
+    });
+    let mut sub = client.subscribe_request();
+    sub.get().set_protocol_version(PROTOCOL_VERSION);
+    sub.get().set_sink(sink);
+    let subscribed = sub.send().promise.await.map_err(other)?;
+    // Holding the subscription keeps it alive until the connection ends.
+    let _subscription = subscribed
+        .get()
+        .and_then(|r| r.get_subscription())
+        .map_err(other)?;
+    match done.await {
+        Ok(Ok(())) => Err(SessionEnd::Other("sampler closed the connection".into())),
+        Ok(Err(e)) => Err(other(e)),
+        Err(e) => Err(SessionEnd::Other(e.to_string())),
+    }
+}

@@ -1,0 +1,29 @@
+/* Shared between the BPF program and the sampler (via the generated skeleton types). */
+#ifndef FIRN_PROFILE_BPF_H
+#define FIRN_PROFILE_BPF_H
+
+#define FIRN_TASK_COMM_LEN 16
+#define FIRN_MAX_STACK_DEPTH 127
+
+/* Index of each per-CPU counter in the `counters` map. */
+enum firn_counter {
+	FIRN_CTR_SAMPLES = 0,          /* program runs that reached the counting step */
+	FIRN_CTR_IDLE = 1,             /* samples of the idle task, skipped on purpose */
+	FIRN_CTR_USER_STACK_FULL = 2,  /* user stack not stored: stack map full or bucket taken */
+	FIRN_CTR_KERN_STACK_FULL = 3,  /* kernel stack not stored: stack map full or bucket taken */
+	FIRN_CTR_USER_STACK_ERR = 4,   /* user stack read failed with an unexpected error */
+	FIRN_CTR_KERN_STACK_ERR = 5,   /* kernel stack read failed with an unexpected error */
+	FIRN_CTR_COUNTS_FULL = 6,      /* sample lost: counts map full */
+	FIRN_CTR_MAX = 7,
+};
+
+struct firn_sample_key {
+	__u32 tgid;
+	__u32 tid;
+	__u64 start_ns;                  /* group leader's start_boottime: tells pid reuse */
+	__s32 user_stack_id;             /* >= 0, or -errno */
+	__s32 kern_stack_id;             /* >= 0, or -errno */
+	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
+};
+
+#endif

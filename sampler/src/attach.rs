@@ -1,0 +1,151 @@
+//! Loads the BPF program and attaches it to a cpu-clock perf event on every online CPU.
+
+use std::mem::MaybeUninit;
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+
+use firn_sampler_bpf::{ProfileSkel, ProfileSkelBuilder};
+use libbpf_rs::libbpf_sys;
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::Link;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    #[error(
+        "loading the BPF program failed: {0}. firn needs a kernel with BTF \
+         (/sys/kernel/btf/vmlinux) and CAP_BPF + CAP_PERFMON (or root)"
+    )]
+    Load(#[source] libbpf_rs::Error),
+    #[error("reading the online CPU list /sys/devices/system/cpu/online: {0}")]
+    CpuList(std::io::Error),
+    #[error(
+        "perf_event_open(cpu-clock, cpu {cpu}) was refused ({errno}); \
+         kernel.perf_event_paranoid is {paranoid}: run as root or grant CAP_PERFMON"
+    )]
+    PerfDenied {
+        cpu: u32,
+        errno: nix::errno::Errno,
+        paranoid: String,
+    },
+    #[error("perf_event_open(cpu-clock, cpu {cpu}) failed: {errno}")]
+    PerfOpen { cpu: u32, errno: nix::errno::Errno },
+    #[error("attaching the BPF program to cpu {cpu}: {source}")]
+    Attach {
+        cpu: u32,
+        source: libbpf_rs::Error,
+    },
+}
+
+/// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
+pub struct Sampling {
+    pub skel: ProfileSkel<'static>,
+    links: Vec<Link>,
+    pub cpus: Vec<u32>,
+}
+
+impl Sampling {
+    pub fn links(&self) -> usize {
+        self.links.len()
+    }
+}
+
+pub fn load_and_attach(frequency: u32) -> Result<Sampling, AttachError> {
+    // The skeleton borrows its object storage for its whole life; the sampler keeps the
+    // program until exit, so the storage lives as long as the process.
+    let storage: &'static mut MaybeUninit<libbpf_rs::OpenObject> =
+        Box::leak(Box::new(MaybeUninit::uninit()));
+    let open = ProfileSkelBuilder::default()
+        .open(storage)
+        .map_err(AttachError::Load)?;
+    let skel = open.load().map_err(AttachError::Load)?;
+
+    let cpus = online_cpus().map_err(AttachError::CpuList)?;
+    let mut links = Vec::with_capacity(cpus.len());
+    for &cpu in &cpus {
+        let fd = open_cpu_clock(cpu, frequency)?;
+        // libbpf owns the perf event fd from here and closes it with the link.
+        let link = skel
+            .progs
+            .firn_sample
+            .attach_perf_event(fd)
+            .map_err(|source| {
+                // SAFETY: attach failed, so libbpf did not take the fd; close it here.
+                drop(unsafe { OwnedFd::from_raw_fd(fd) });
+                AttachError::Attach { cpu, source }
+            })?;
+        links.push(link);
+    }
+    Ok(Sampling { skel, links, cpus })
+}
+
+fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {
+    // SAFETY: perf_event_attr is plain data; all-zero is its documented default.
+    let mut attr: libbpf_sys::perf_event_attr = unsafe { std::mem::zeroed() };
+    attr.type_ = libbpf_sys::PERF_TYPE_SOFTWARE;
+    attr.size = std::mem::size_of::<libbpf_sys::perf_event_attr>() as u32;
+    attr.config = u64::from(libbpf_sys::PERF_COUNT_SW_CPU_CLOCK);
+    attr.__bindgen_anon_1.sample_freq = u64::from(frequency);
+    attr.set_freq(1);
+    // SAFETY: attr is a valid, fully initialised perf_event_attr for the call's lifetime.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_perf_event_open,
+            &attr as *const libbpf_sys::perf_event_attr,
+            -1 as libc::pid_t,
+            cpu as libc::c_int,
+            -1 as libc::c_int,
+            libbpf_sys::PERF_FLAG_FD_CLOEXEC as libc::c_ulong,
+        )
+    };
+    if ret < 0 {
+        let errno = nix::errno::Errno::last();
+        return Err(match errno {
+            nix::errno::Errno::EACCES | nix::errno::Errno::EPERM => AttachError::PerfDenied {
+                cpu,
+                errno,
+                paranoid: std::fs::read_to_string("/proc/sys/kernel/perf_event_paranoid")
+                    .map(|s| s.trim().to_string())
+                    .unwrap_or_else(|_| "unknown".into()),
+            },
+            _ => AttachError::PerfOpen { cpu, errno },
+        });
+    }
+    Ok(ret as RawFd)
+}
+
+pub fn online_cpus() -> std::io::Result<Vec<u32>> {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
+    parse_cpu_list(&text).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("unexpected CPU list {text:?}"),
+        )
+    })
+}
+
+/// Parses the kernel's CPU list format, e.g. `0-3,5,7-8`.
+fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
+    let mut cpus = Vec::new();
+    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
+                if b < a || b - a > 65_536 {
+                    return None;
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.parse().ok()?),
+        }
+    }
+    Some(cpus)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(super::parse_cpu_list("0-1\n"), Some(vec![0, 1]));
+        assert_eq!(super::parse_cpu_list("0,2-3,5"), Some(vec![0, 2, 3, 5]));
+        assert_eq!(super::parse_cpu_list("3-1"), None);
+    }
+}

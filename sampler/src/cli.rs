@@ -1,0 +1,53 @@
+//! Command-line flags of `firn-sampler`.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// firn's privileged half. Loads the eBPF sampler on every CPU, then drops its
+/// capabilities, confines itself with seccomp and streams raw stacks and process
+/// records to subscribed enrichers over a Unix socket (Cap'n Proto RPC).
+///
+/// Run it as root (or with CAP_BPF, CAP_PERFMON, CAP_SYSLOG, CAP_SYS_PTRACE, CAP_SETPCAP).
+/// Under systemd socket activation (LISTEN_FDS/LISTEN_PID) it serves the passed socket
+/// and `--socket` is ignored.
+#[derive(Debug, Parser)]
+#[command(name = "firn-sampler", version, about, long_about)]
+pub struct Args {
+    /// Sampling frequency per CPU, in Hz (1–10000).
+    #[arg(long, default_value_t = 19, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub frequency: u32,
+
+    /// Length of one round in seconds (1–600): one batch per round to every subscriber.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=600))]
+    pub round: u32,
+
+    /// Path of the Unix socket to create (mode 0660). Its directory must exist and the
+    /// path must be free (a stale socket with no listener is replaced).
+    #[arg(long, default_value = "/run/firn/sampler.sock")]
+    pub socket: PathBuf,
+
+    /// Group that owns the created socket (name or numeric gid); default: root's group.
+    #[arg(long)]
+    pub socket_group: Option<String>,
+
+    /// User ids allowed to connect (repeatable or comma-separated). uid 0 is always allowed.
+    #[arg(long, value_delimiter = ',')]
+    pub allow_uid: Vec<u32>,
+
+    /// Group ids allowed to connect (the peer's primary gid), repeatable or comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub allow_gid: Vec<u32>,
+
+    /// Batches kept per subscriber before the oldest is dropped (1–64).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub queue_batches: u32,
+
+    /// Simultaneous client connections (1–256); more are refused and counted.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub max_connections: u32,
+
+    /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
+    #[arg(long, env = "FIRN_LOG", default_value = "info")]
+    pub log: String,
+}

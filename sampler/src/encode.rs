@@ -1,0 +1,112 @@
+//! Writing a round into a Cap'n Proto `Batch` for one subscriber.
+
+use firn_schema::firn_capnp::{batch, counter, process, sample, StackStatus as Wire};
+
+use crate::round::{Issued, RoundData, StackStatus};
+
+pub struct BatchMeta<'a> {
+    pub session_id: u64,
+    pub frequency_hz: u32,
+    pub dropped_batches: u64,
+    pub counters: &'a [(&'static str, u64)],
+}
+
+fn wire(s: StackStatus) -> Wire {
+    match s {
+        StackStatus::Ok => Wire::Ok,
+        StackStatus::Absent => Wire::Absent,
+        StackStatus::Lost => Wire::Lost,
+        StackStatus::Error => Wire::Error,
+    }
+}
+
+fn len32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+pub fn fill_counters(
+    mut list: capnp::struct_list::Builder<'_, counter::Owned>,
+    counters: &[(&'static str, u64)],
+) {
+    for (i, (name, value)) in counters.iter().enumerate() {
+        let mut c = list.reborrow().get(len32(i));
+        c.set_name(*name);
+        c.set_value(*value);
+    }
+}
+
+pub fn fill_batch(
+    mut b: batch::Builder<'_>,
+    round: &RoundData,
+    processes: &[Issued],
+    meta: &BatchMeta<'_>,
+) {
+    b.set_session_id(meta.session_id);
+    b.set_round(round.round);
+    b.set_start_time_ns(round.start_time_ns);
+    b.set_end_time_ns(round.end_time_ns);
+    b.set_frequency_hz(meta.frequency_hz);
+    b.set_dropped_batches(meta.dropped_batches);
+    fill_counters(
+        b.reborrow().init_counters(len32(meta.counters.len())),
+        meta.counters,
+    );
+    let mut syms = b.reborrow().init_kernel_symbols(len32(round.kernel_symbols.len()));
+    for (i, s) in round.kernel_symbols.iter().enumerate() {
+        // Kernel symbol names are ASCII; anything else is replaced rather than sent raw.
+        syms.set(len32(i), String::from_utf8_lossy(s).as_ref());
+    }
+    let mut procs = b.reborrow().init_processes(len32(processes.len()));
+    for (i, p) in processes.iter().enumerate() {
+        fill_process(procs.reborrow().get(len32(i)), p);
+    }
+    let mut samples = b.init_samples(len32(round.samples.len()));
+    for (i, s) in round.samples.iter().enumerate() {
+        let mut w: sample::Builder<'_> = samples.reborrow().get(len32(i));
+        w.set_process_id(s.process_id);
+        w.set_pid(s.pid);
+        w.set_tid(s.tid);
+        let comm_len = s.comm.iter().position(|&c| c == 0).unwrap_or(s.comm.len());
+        w.set_comm(&s.comm[..comm_len]);
+        w.set_count(s.count);
+        w.set_user_stack(wire(s.user_status));
+        w.set_kernel_stack(wire(s.kernel_status));
+        let mut u = w.reborrow().init_user_frames(len32(s.user.len()));
+        for (j, &a) in s.user.iter().enumerate() {
+            u.set(len32(j), a);
+        }
+        let mut k = w.init_kernel_frames(len32(s.kernel.len()));
+        for (j, &idx) in s.kernel.iter().enumerate() {
+            k.set(len32(j), idx);
+        }
+    }
+}
+
+fn fill_process(mut w: process::Builder<'_>, p: &Issued) {
+    let r = &p.record;
+    w.set_process_id(p.id);
+    w.set_pid(r.pid);
+    w.set_start_time_ns(r.start_ns);
+    w.set_ppid(r.ppid);
+    w.set_uid(r.uid);
+    w.set_comm(&r.comm);
+    w.set_exe(&r.exe);
+    w.set_cgroup(&r.cgroup);
+    w.set_mappings_version(p.version);
+    w.set_complete(r.complete);
+    let mut args = w.reborrow().init_cmdline(len32(r.cmdline.len()));
+    for (i, a) in r.cmdline.iter().enumerate() {
+        args.set(len32(i), a);
+    }
+    let mut maps = w.init_mappings(len32(r.mappings.len()));
+    for (i, m) in r.mappings.iter().enumerate() {
+        let mut mw = maps.reborrow().get(len32(i));
+        mw.set_start(m.start);
+        mw.set_end(m.end);
+        mw.set_file_offset(m.offset);
+        mw.set_dev_major(m.dev_major);
+        mw.set_dev_minor(m.dev_minor);
+        mw.set_inode(m.inode);
+        mw.set_path(&m.path);
+    }
+}

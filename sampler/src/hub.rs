@@ -1,0 +1,139 @@
+//! Subscribers and their bounded queues. A round is published to every subscriber; a
+//! subscriber's sender task pushes batches over its connection as flow control allows.
+//! A full queue drops its oldest batch (counted) and carries that batch's process
+//! records into the next one, so no record a later sample needs is lost.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+
+use tokio::sync::Notify;
+
+use crate::counters::Counters;
+use crate::round::{Issued, RoundData};
+
+pub struct Outgoing {
+    pub round: Rc<RoundData>,
+    pub processes: Vec<Issued>,
+}
+
+pub struct Subscriber {
+    pub id: u64,
+    queue: RefCell<VecDeque<Outgoing>>,
+    wake: Notify,
+    /// Process id → mapping version already sent to this subscriber.
+    sent: RefCell<HashMap<u64, u32>>,
+    pub dropped: Cell<u64>,
+    closed: Cell<bool>,
+}
+
+impl Subscriber {
+    pub fn close(&self) {
+        self.closed.set(true);
+        self.queue.borrow_mut().clear();
+        self.wake.notify_one();
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.get()
+    }
+
+    /// Waits for the next batch; `None` once the subscriber is closed.
+    pub async fn next(&self) -> Option<Outgoing> {
+        loop {
+            if self.closed.get() {
+                return None;
+            }
+            if let Some(b) = self.queue.borrow_mut().pop_front() {
+                return Some(b);
+            }
+            self.wake.notified().await;
+        }
+    }
+
+    pub fn queued(&self) -> usize {
+        self.queue.borrow().len()
+    }
+}
+
+pub struct Hub {
+    subs: RefCell<Vec<Rc<Subscriber>>>,
+    next_id: Cell<u64>,
+    queue_limit: usize,
+    counters: Rc<Counters>,
+}
+
+impl Hub {
+    pub fn new(queue_limit: usize, counters: Rc<Counters>) -> Self {
+        Self {
+            subs: RefCell::new(Vec::new()),
+            next_id: Cell::new(0),
+            queue_limit: queue_limit.max(1),
+            counters,
+        }
+    }
+
+    pub fn add(&self) -> Rc<Subscriber> {
+        self.next_id.set(self.next_id.get() + 1);
+        let sub = Rc::new(Subscriber {
+            id: self.next_id.get(),
+            queue: RefCell::new(VecDeque::new()),
+            wake: Notify::new(),
+            sent: RefCell::new(HashMap::new()),
+            dropped: Cell::new(0),
+            closed: Cell::new(false),
+        });
+        self.subs.borrow_mut().push(sub.clone());
+        sub
+    }
+
+    pub fn len(&self) -> usize {
+        self.subs.borrow().len()
+    }
+
+    /// Queues `round` for every open subscriber, with the process records each lacks.
+    pub fn publish(&self, round: Rc<RoundData>, forgotten: &[u64]) {
+        let c = &self.counters;
+        self.subs.borrow_mut().retain(|s| !s.is_closed());
+        for sub in self.subs.borrow().iter() {
+            let mut sent = sub.sent.borrow_mut();
+            for id in forgotten {
+                sent.remove(id);
+            }
+            let processes: Vec<Issued> = round
+                .processes
+                .iter()
+                .filter(|p| sent.get(&p.id) != Some(&p.version))
+                .cloned()
+                .collect();
+            for p in &processes {
+                sent.insert(p.id, p.version);
+            }
+            let mut q = sub.queue.borrow_mut();
+            q.push_back(Outgoing {
+                round: round.clone(),
+                processes,
+            });
+            c.batches_queued.set(c.batches_queued.get() + 1);
+            while q.len() > self.queue_limit {
+                let Some(old) = q.pop_front() else { break };
+                sub.dropped.set(sub.dropped.get() + 1);
+                c.batches_dropped.set(c.batches_dropped.get() + 1);
+                if let Some(next) = q.front_mut() {
+                    carry(old.processes, &mut next.processes);
+                }
+            }
+            sub.wake.notify_one();
+        }
+    }
+}
+
+/// Moves records from a dropped batch into the one after it, newest version winning.
+fn carry(from: Vec<Issued>, into: &mut Vec<Issued>) {
+    for p in from {
+        if !into.iter().any(|q| q.id == p.id && q.version >= p.version) {
+            into.retain(|q| q.id != p.id);
+            into.push(p);
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! firn-sampler: setup while privileged, then drop, confine, and run rounds.
+
+mod attach;
+mod cli;
+mod counters;
+mod drain;
+mod drop;
+mod encode;
+mod hub;
+mod kallsyms;
+mod listen;
+mod preflight;
+#[cfg(feature = "forbidden-probe")]
+mod probe;
+mod processes;
+mod procfs;
+mod round;
+mod server;
+
+use std::cell::Cell;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use clap::Parser;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::attach::Sampling;
+use crate::counters::Counters;
+use crate::kallsyms::Kallsyms;
+use crate::listen::{Allow, Peer};
+use crate::processes::ProcessTable;
+use crate::server::{Identity, Shared};
+
+fn main() -> ExitCode {
+    let args = cli::Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// A random session id below 2^47, so that no integer on the wire looks like a kernel
+/// address.
+fn session_id() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    (u64::from_ne_bytes(b) >> 17).max(1)
+}
+
+fn run(args: cli::Args) -> anyhow::Result<()> {
+    preflight::check()?;
+
+    let listening = match listen::from_systemd()? {
+        Some(listener) => {
+            tracing::info!("using the socket passed by systemd");
+            listen::Listening {
+                listener,
+                created: None,
+            }
+        }
+        None => listen::create(&args.socket, args.socket_group.as_deref())?,
+    };
+    listening.listener.set_nonblocking(true)?;
+
+    // Opened while CAP_SYSLOG is held: the kernel decides visibility at open time.
+    let kallsyms = match std::fs::File::open("/proc/kallsyms").map(Kallsyms::read) {
+        Ok(Ok(k)) => k,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kernel frames will be [unknown]");
+            Kallsyms::empty()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open /proc/kallsyms; kernel frames will be [unknown]");
+            Kallsyms::empty()
+        }
+    };
+    if kallsyms.len() == 0 {
+        tracing::warn!("/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]");
+    }
+
+    let mut sampling = attach::load_and_attach(args.frequency)?;
+    {
+        use libbpf_rs::MapCore;
+        drain::check_key_size(sampling.skel.maps.counts_0.key_size())?;
+    }
+    tracing::info!(
+        cpus = sampling.links(),
+        frequency_hz = args.frequency,
+        round_seconds = args.round,
+        kernel_symbols = kallsyms.len(),
+        "sampling started"
+    );
+
+    let uname = nix::sys::utsname::uname().context("uname")?;
+    let identity = Identity {
+        session_id: session_id(),
+        node: uname.nodename().to_string_lossy().into_owned(),
+        kernel_release: uname.release().to_string_lossy().into_owned(),
+        frequency_hz: args.frequency,
+        round_seconds: args.round,
+        kept_capabilities: drop::KEPT.iter().map(ToString::to_string).collect(),
+    };
+
+    // Everything that needs a syscall the filter forbids happens before confinement:
+    // the runtime's epoll instance, the signal pipe, the listener registration.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the event loop")?;
+    let (listener, sigterm, sigint) = {
+        let _guard = rt.enter();
+        (
+            tokio::net::UnixListener::from_std(listening.listener)
+                .context("registering the listening socket")?,
+            signal(SignalKind::terminate()).context("SIGTERM handler")?,
+            signal(SignalKind::interrupt()).context("SIGINT handler")?,
+        )
+    };
+
+    drop::drop_capabilities().context("dropping capabilities")?;
+    let filter = drop::build_filter(&drop::FilterContext {
+        socket_dir_fd: listening
+            .created
+            .as_ref()
+            .map(|c| std::os::fd::AsRawFd::as_raw_fd(&c.dir)),
+    })?;
+    drop::confine(&filter).context("installing the seccomp filter")?;
+    tracing::info!(
+        kept_capabilities = ?identity.kept_capabilities,
+        "privileges dropped; seccomp filter installed"
+    );
+    #[cfg(feature = "forbidden-probe")]
+    probe::run();
+
+    let counters = Rc::new(Counters::default());
+    let shared = Rc::new(Shared {
+        hub: hub::Hub::new(args.queue_batches as usize, counters.clone()),
+        counters,
+        identity,
+        connections: Cell::new(0),
+        max_connections: args.max_connections,
+    });
+    let allow = Allow {
+        uids: args.allow_uid.clone(),
+        gids: args.allow_gid.clone(),
+    };
+    let local = tokio::task::LocalSet::new();
+    local.block_on(
+        &rt,
+        run_loop(
+            &args,
+            listener,
+            shared,
+            allow,
+            &mut sampling,
+            &kallsyms,
+            (sigterm, sigint),
+        ),
+    );
+    if let Some(created) = &listening.created {
+        created.remove();
+    }
+    drop(sampling);
+    tracing::info!("stopped; BPF program detached");
+    Ok(())
+}
+
+async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>, allow: Allow) {
+    let c = shared.counters.clone();
+    let bump = |x: &Cell<u64>| x.set(x.get() + 1);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        match listen::check_peer(&stream, &allow) {
+            Peer::Allowed { uid, pid } => {
+                if shared.connections.get() >= shared.max_connections {
+                    bump(&c.connections_refused_limit);
+                    tracing::warn!(uid, pid, limit = shared.max_connections, "too many connections; refused");
+                    continue;
+                }
+                bump(&c.connections_accepted);
+                shared.connections.set(shared.connections.get() + 1);
+                tracing::info!(uid, pid, "client connected");
+                tokio::task::spawn_local(server::serve(stream, shared.clone()));
+            }
+            Peer::Refused { uid, gid, pid } => {
+                bump(&c.connections_refused_peer);
+                tracing::warn!(uid, gid, pid, "peer not allowed (see --allow-uid/--allow-gid); disconnected");
+            }
+            Peer::Unknown(e) => {
+                bump(&c.connections_peer_unknown);
+                tracing::warn!(error = %e, "cannot read peer credentials; disconnected");
+            }
+        }
+    }
+}
+
+fn set_active(sampling: &mut Sampling, set: u32) {
+    if let Some(bss) = sampling.skel.maps.bss_data.as_deref_mut() {
+        // SAFETY: the .bss map is mmapped for the skeleton's lifetime; the program
+        // reads the field with a plain load, so a volatile store is all it takes.
+        unsafe { std::ptr::write_volatile(&mut bss.active_set, set) };
+    }
+}
+
+fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
+    use firn_sampler_bpf::counter as k;
+    let m = &sampling.skel.maps.counters;
+    for (slot, cell) in [
+        (k::SAMPLES, &c.bpf_samples),
+        (k::IDLE, &c.bpf_idle_samples),
+        (k::USER_STACK_FULL, &c.bpf_user_stack_lost),
+        (k::KERN_STACK_FULL, &c.bpf_kernel_stack_lost),
+        (k::USER_STACK_ERR, &c.bpf_user_stack_errors),
+        (k::KERN_STACK_ERR, &c.bpf_kernel_stack_errors),
+        (k::COUNTS_FULL, &c.bpf_counts_map_full),
+    ] {
+        if let Some(v) = drain::percpu_sum(m, slot) {
+            cell.set(v);
+        }
+    }
+}
+
+async fn run_loop(
+    args: &cli::Args,
+    listener: tokio::net::UnixListener,
+    shared: Rc<Shared>,
+    allow: Allow,
+    sampling: &mut Sampling,
+    kallsyms: &Kallsyms,
+    (mut sigterm, mut sigint): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
+) {
+    tokio::task::spawn_local(accept_loop(listener, shared.clone(), allow));
+    let period = Duration::from_secs(u64::from(args.round));
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut table = ProcessTable::default();
+    let mut active = 0u32;
+    let mut round_no = 0u64;
+    let mut round_start = now_ns();
+    let c = &shared.counters;
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
+            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
+        }
+        let drained_set = active;
+        active ^= 1;
+        set_active(sampling, active);
+        let round_end = now_ns();
+        tokio::time::sleep(drain::GRACE).await;
+        round_no += 1;
+        let maps = &sampling.skel.maps;
+        let (counts, stacks) = if drained_set == 0 {
+            (drain::fd_of(&maps.counts_0), drain::fd_of(&maps.stacks_0))
+        } else {
+            (drain::fd_of(&maps.counts_1), drain::fd_of(&maps.stacks_1))
+        };
+        let drained = match drain::drain(counts, stacks) {
+            Ok(d) => d,
+            Err(e) => {
+                c.drain_errors.set(c.drain_errors.get() + 1);
+                tracing::warn!(round = round_no, error = %e, "draining the maps failed");
+                round_start = round_end;
+                continue;
+            }
+        };
+        c.stack_lookup_failures
+            .set(c.stack_lookup_failures.get() + drained.stack_lookup_failures);
+        read_bpf_counters(sampling, c);
+        let data = round::assemble(
+            drained,
+            kallsyms,
+            &mut table,
+            round_no,
+            (round_start, round_end),
+            c,
+        );
+        let forgotten = table.sweep(round_no, c);
+        c.rounds.set(c.rounds.get() + 1);
+        tracing::debug!(
+            round = round_no,
+            samples = data.samples.len(),
+            processes = data.processes.len(),
+            known_processes = table.len(),
+            subscribers = shared.hub.len(),
+            "round done"
+        );
+        shared.hub.publish(Rc::new(data), &forgotten);
+        round_start = round_end;
+    }
+}

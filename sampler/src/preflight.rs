@@ -1,0 +1,55 @@
+//! Checks before setup, so that a missing privilege or kernel feature is named clearly
+//! instead of surfacing as an errno from deep inside libbpf.
+
+use caps::{CapSet, Capability};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PreflightError {
+    #[error(
+        "firn-sampler is missing {missing} (running as uid {uid}). Run it as root, or grant \
+         these capabilities; it drops all but CAP_SYS_PTRACE right after setup"
+    )]
+    MissingCaps { missing: String, uid: u32 },
+    #[error(
+        "this kernel has no BTF (/sys/kernel/btf/vmlinux is missing); firn's CO-RE BPF \
+         program needs a kernel built with CONFIG_DEBUG_INFO_BTF=y"
+    )]
+    NoBtf,
+    #[error("reading capabilities: {0}")]
+    Caps(#[from] caps::errors::CapsError),
+}
+
+pub fn check() -> Result<(), PreflightError> {
+    let eff = caps::read(None, CapSet::Effective)?;
+    let mut missing = Vec::new();
+    let admin = eff.contains(&Capability::CAP_SYS_ADMIN);
+    for (cap, why) in [
+        (Capability::CAP_BPF, "load the program"),
+        (Capability::CAP_PERFMON, "open perf events on every CPU"),
+    ] {
+        if !eff.contains(&cap) && !admin {
+            missing.push(format!("{cap} (to {why})"));
+        }
+    }
+    for (cap, why) in [
+        (Capability::CAP_SYS_PTRACE, "read other users' /proc/<pid>/maps"),
+        (Capability::CAP_SETPCAP, "drop capabilities from the bounding set"),
+    ] {
+        if !eff.contains(&cap) {
+            missing.push(format!("{cap} (to {why})"));
+        }
+    }
+    if !missing.is_empty() {
+        return Err(PreflightError::MissingCaps {
+            missing: missing.join(", "),
+            uid: nix::unistd::geteuid().as_raw(),
+        });
+    }
+    if !eff.contains(&Capability::CAP_SYSLOG) {
+        tracing::warn!("no CAP_SYSLOG: /proc/kallsyms hides addresses, kernel frames will be [unknown]");
+    }
+    if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
+        return Err(PreflightError::NoBtf);
+    }
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! Test-only (feature `forbidden-probe`): after confinement, attempts each syscall the
+//! design forbids and logs how it was refused. Release builds never contain this.
+
+use std::ffi::CString;
+
+/// Reads errno at once, before any other call can overwrite it.
+fn outcome(ret: libc::c_long) -> String {
+    if ret < 0 {
+        format!("{:?}", nix::errno::Errno::last())
+    } else {
+        // SAFETY: closing a descriptor this probe just received.
+        unsafe { libc::close(ret as libc::c_int) };
+        "ALLOWED".to_string()
+    }
+}
+
+pub fn run() {
+    let path = CString::new("/bin/true").unwrap_or_default();
+    let argv = [path.as_ptr(), std::ptr::null()];
+    let envp: [*const libc::c_char; 1] = [std::ptr::null()];
+    let target = CString::new("/tmp/firn-forbidden-probe").unwrap_or_default();
+    let mut attr = [0u8; 128];
+    let mut buf = [0u8; 8];
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: std::ptr::null_mut(),
+        iov_len: 8,
+    };
+    // SAFETY: every call gets valid pointers to live buffers; all are expected to fail.
+    let results: Vec<(&str, String)> = unsafe {
+        vec![
+            ("execve", outcome(libc::syscall(libc::SYS_execve, path.as_ptr(), argv.as_ptr(), envp.as_ptr()))),
+            ("socket_inet", outcome(libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0))),
+            ("ptrace", outcome(libc::syscall(libc::SYS_ptrace, libc::PTRACE_ATTACH, 1, 0, 0))),
+            ("process_vm_readv", outcome(libc::syscall(libc::SYS_process_vm_readv, 1, &local, 1, &remote, 1, 0))),
+            ("bpf_prog_load", outcome(libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), attr.len()))),
+            ("bpf_map_create", outcome(libc::syscall(libc::SYS_bpf, 0, attr.as_mut_ptr(), attr.len()))),
+            ("perf_event_open", outcome(libc::syscall(libc::SYS_perf_event_open, attr.as_mut_ptr(), -1, 0, -1, 0))),
+            (
+                "openat_write",
+                outcome(libc::syscall(
+                    libc::SYS_openat,
+                    libc::AT_FDCWD,
+                    target.as_ptr(),
+                    libc::O_WRONLY | libc::O_CREAT,
+                    0o600,
+                )),
+            ),
+        ]
+    };
+    for (name, ret) in results {
+        tracing::warn!(syscall = name, outcome = %ret, "forbidden syscall probe");
+    }
+}

@@ -1,0 +1,301 @@
+//! Process records read from /proc. Everything here is kernel-formatted text about
+//! other processes; it is bounded, split only as far as needed, and forwarded as
+//! bytes for the enricher to interpret (DESIGN.md rule 1).
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{AsFd, OwnedFd};
+
+use firn_schema::limits;
+use nix::fcntl::{openat, OFlag};
+use nix::sys::stat::{fstat, Mode};
+
+/// Bytes read of /proc/<pid>/maps; a process with more executable mappings than fit is
+/// recorded with the ones that did.
+const MAX_MAPS_BYTES: usize = 2 << 20;
+const MAX_STAT_BYTES: usize = 2048;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    #[error("process {pid} is gone")]
+    Gone { pid: u32 },
+    #[error("pid {pid} now belongs to another process")]
+    Reused { pid: u32 },
+    #[error("reading /proc/{pid}/{file}: {source}")]
+    Io {
+        pid: u32,
+        file: &'static str,
+        source: std::io::Error,
+    },
+    #[error("/proc/{pid}/stat has an unexpected format")]
+    Format { pid: u32 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub offset: u64,
+    pub dev_major: u32,
+    pub dev_minor: u32,
+    pub inode: u64,
+    pub path: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ProcessRecord {
+    pub pid: u32,
+    pub start_ns: u64,
+    pub ppid: u32,
+    pub uid: u32,
+    pub comm: Vec<u8>,
+    pub exe: Vec<u8>,
+    pub cmdline: Vec<Vec<u8>>,
+    pub cgroup: Vec<u8>,
+    pub mappings: Vec<Mapping>,
+    pub complete: bool,
+}
+
+/// Clock ticks per second used by /proc/<pid>/stat's start time (USER_HZ).
+fn clock_ticks() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if t > 0 {
+        t as u64
+    } else {
+        100
+    }
+}
+
+/// Reads the record of `pid`, whose thread-group leader started at `start_ns`
+/// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
+/// names another process.
+pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError> {
+    // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
+    // pid is reused, reads through the fd fail instead of describing the newcomer.
+    let dir = open_proc_dir(pid)?;
+    let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
+    let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
+    let ticks = clock_ticks();
+    if parsed.start_ticks != start_ns / (1_000_000_000 / ticks) {
+        return Err(ProcError::Reused { pid });
+    }
+    let uid = fstat(dir.as_fd())
+        .map_err(|e| io_err(pid, "", e))?
+        .st_uid;
+    let exe = nix::fcntl::readlinkat(dir.as_fd(), "exe")
+        .map(|p| {
+            let mut b = p.into_encoded_bytes();
+            b.truncate(limits::MAX_PATH_BYTES as usize);
+            b
+        })
+        .unwrap_or_default();
+    let cmdline = read_bounded(&dir, pid, "cmdline", limits::MAX_CMDLINE_BYTES as usize)
+        .map(|c| split_cmdline(&c))
+        .unwrap_or_default();
+    let cgroup = read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?;
+    let maps = read_bounded(&dir, pid, "maps", MAX_MAPS_BYTES)?;
+    Ok(ProcessRecord {
+        pid,
+        start_ns,
+        ppid: parsed.ppid,
+        uid,
+        comm: parsed.comm,
+        exe,
+        cmdline,
+        cgroup,
+        mappings: parse_maps(&maps),
+        complete: true,
+    })
+}
+
+/// Reads only the executable mappings again (after a sample fell outside them).
+pub fn read_mappings(pid: u32) -> Result<Vec<Mapping>, ProcError> {
+    let dir = open_proc_dir(pid)?;
+    Ok(parse_maps(&read_bounded(&dir, pid, "maps", MAX_MAPS_BYTES)?))
+}
+
+/// Whether /proc/<pid> still belongs to the process that started at `start_ns`.
+pub fn is_alive(pid: u32, start_ns: u64) -> bool {
+    let Ok(dir) = open_proc_dir(pid) else {
+        return false;
+    };
+    let Ok(stat) = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES) else {
+        return false;
+    };
+    parse_stat(&stat)
+        .is_some_and(|s| s.start_ticks == start_ns / (1_000_000_000 / clock_ticks()))
+}
+
+fn open_proc_dir(pid: u32) -> Result<OwnedFd, ProcError> {
+    let path = format!("/proc/{pid}");
+    nix::fcntl::open(
+        path.as_str(),
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| match e {
+        nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH => ProcError::Gone { pid },
+        e => io_err(pid, "", e),
+    })
+}
+
+fn io_err(pid: u32, file: &'static str, e: nix::errno::Errno) -> ProcError {
+    if matches!(e, nix::errno::Errno::ESRCH | nix::errno::Errno::ENOENT) {
+        ProcError::Gone { pid }
+    } else {
+        ProcError::Io {
+            pid,
+            file,
+            source: e.into(),
+        }
+    }
+}
+
+fn read_bounded(
+    dir: &OwnedFd,
+    pid: u32,
+    file: &'static str,
+    max: usize,
+) -> Result<Vec<u8>, ProcError> {
+    let fd = openat(
+        dir.as_fd(),
+        file,
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err(pid, file, e))?;
+    let mut buf = Vec::new();
+    File::from(fd)
+        .take(max as u64)
+        .read_to_end(&mut buf)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ESRCH) => ProcError::Gone { pid },
+            _ => ProcError::Io {
+                pid,
+                file,
+                source: e,
+            },
+        })?;
+    Ok(buf)
+}
+
+struct Stat {
+    comm: Vec<u8>,
+    ppid: u32,
+    start_ticks: u64,
+}
+
+/// `pid (comm) state ppid … starttime(22) …`; comm may hold spaces and parentheses,
+/// so fields are counted from the last ')'.
+fn parse_stat(stat: &[u8]) -> Option<Stat> {
+    let open = stat.iter().position(|&b| b == b'(')?;
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    let comm = stat.get(open + 1..close)?.to_vec();
+    let rest = std::str::from_utf8(stat.get(close + 1..)?).ok()?;
+    let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
+    // fields[0] is field 3 (state).
+    let ppid = fields.get(1)?.parse().ok()?;
+    let start_ticks = fields.get(19)?.parse().ok()?;
+    Some(Stat {
+        comm,
+        ppid,
+        start_ticks,
+    })
+}
+
+fn split_cmdline(raw: &[u8]) -> Vec<Vec<u8>> {
+    raw.split(|&b| b == 0)
+        .filter(|a| !a.is_empty())
+        .take(limits::MAX_CMDLINE_ARGS as usize)
+        .map(<[u8]>::to_vec)
+        .collect()
+}
+
+/// Keeps file-backed executable mappings: `start-end perms offset maj:min inode  path`.
+pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
+    let mut out = Vec::new();
+    for line in maps.split(|&b| b == b'\n') {
+        if out.len() >= limits::MAX_MAPPINGS as usize {
+            break;
+        }
+        if let Some(m) = parse_maps_line(line) {
+            out.push(m);
+        }
+    }
+    out
+}
+
+fn parse_maps_line(line: &[u8]) -> Option<Mapping> {
+    let mut it = line.splitn(6, |&b| b == b' ');
+    let range = it.next()?;
+    let perms = it.next()?;
+    let offset = it.next()?;
+    let dev = it.next()?;
+    let inode = it.next()?;
+    let path = it.next().unwrap_or_default();
+    if perms.get(2) != Some(&b'x') {
+        return None;
+    }
+    let inode: u64 = std::str::from_utf8(inode).ok()?.parse().ok()?;
+    if inode == 0 {
+        return None;
+    }
+    let hex = |b: &[u8]| u64::from_str_radix(std::str::from_utf8(b).ok()?, 16).ok();
+    let dash = range.iter().position(|&b| b == b'-')?;
+    let colon = dev.iter().position(|&b| b == b':')?;
+    let path = path.trim_ascii_start();
+    Some(Mapping {
+        start: hex(&range[..dash])?,
+        end: hex(&range[dash + 1..])?,
+        offset: hex(offset)?,
+        dev_major: u32::try_from(hex(&dev[..colon])?).ok()?,
+        dev_minor: u32::try_from(hex(&dev[colon + 1..])?).ok()?,
+        inode,
+        path: path[..path.len().min(limits::MAX_PATH_BYTES as usize)].to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_hostile_comm() {
+        let s = b"42 (a) b) (c) S 7 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 12345 1 1";
+        let st = parse_stat(s).unwrap();
+        assert_eq!(st.comm, b"a) b) (c");
+        assert_eq!(st.ppid, 7);
+        assert_eq!(st.start_ticks, 12345);
+    }
+
+    #[test]
+    fn maps_keeps_executable_file_mappings() {
+        let maps = b"55d0c0a00000-55d0c0a01000 r--p 00000000 fd:01 1234   /usr/bin/a b\n\
+55d0c0a01000-55d0c0a02000 r-xp 00001000 fd:01 1234   /usr/bin/a b\n\
+7ffd1000-7ffd2000 r-xp 00000000 00:00 0   [vdso]\n\
+7f0000000000-7f0000100000 r-xp 00002000 103:0a 99 /lib/x.so (deleted)\n";
+        let m = parse_maps(maps);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].start, 0x55d0c0a01000);
+        assert_eq!(m[0].offset, 0x1000);
+        assert_eq!((m[0].dev_major, m[0].dev_minor, m[0].inode), (0xfd, 1, 1234));
+        assert_eq!(m[0].path, b"/usr/bin/a b");
+        assert_eq!((m[1].dev_major, m[1].dev_minor), (0x103, 0xa));
+        assert_eq!(m[1].path, b"/lib/x.so (deleted)");
+    }
+
+    #[test]
+    fn reads_own_record() {
+        let me = std::process::id();
+        let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
+        let ticks = parse_stat(&stat).unwrap().start_ticks;
+        let rec = read_process(me, ticks * (1_000_000_000 / clock_ticks())).unwrap();
+        assert!(rec.complete);
+        assert!(!rec.mappings.is_empty());
+        assert!(matches!(
+            read_process(me, (ticks + 5) * (1_000_000_000 / clock_ticks())),
+            Err(ProcError::Reused { .. })
+        ));
+    }
+}

@@ -1,0 +1,157 @@
+//! Turning one drained map set into a round: stacks attached to samples, kernel frames
+//! named from kallsyms (never sent as addresses), processes identified.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use firn_sampler_bpf::COMM_LEN;
+
+use crate::counters::Counters;
+use crate::drain::{Drained, StackRef};
+use crate::kallsyms::Kallsyms;
+use crate::processes::ProcessTable;
+use crate::procfs::ProcessRecord;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StackStatus {
+    Ok,
+    Absent,
+    Lost,
+    Error,
+}
+
+pub struct Sample {
+    pub process_id: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub comm: [u8; COMM_LEN],
+    pub count: u64,
+    pub user: Rc<[u64]>,
+    pub kernel: Vec<u32>,
+    pub user_status: StackStatus,
+    pub kernel_status: StackStatus,
+}
+
+/// A process record as issued to subscribers: its session id and mapping version.
+#[derive(Clone)]
+pub struct Issued {
+    pub id: u64,
+    pub version: u32,
+    pub record: Rc<ProcessRecord>,
+}
+
+pub struct RoundData {
+    pub round: u64,
+    pub start_time_ns: u64,
+    pub end_time_ns: u64,
+    pub samples: Vec<Sample>,
+    pub kernel_symbols: Vec<Rc<[u8]>>,
+    /// Every process the samples refer to, as of this round.
+    pub processes: Vec<Issued>,
+}
+
+const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
+
+fn status(r: StackRef, drained: &Drained) -> StackStatus {
+    match r {
+        StackRef::Id(id) if drained.stacks.contains_key(&id) => StackStatus::Ok,
+        StackRef::Id(_) => StackStatus::Lost,
+        StackRef::Err(-14) => StackStatus::Absent,
+        StackRef::Err(-17) | StackRef::Err(-12) => StackStatus::Lost,
+        StackRef::Err(_) => StackStatus::Error,
+    }
+}
+
+pub fn assemble(
+    drained: Drained,
+    kallsyms: &Kallsyms,
+    table: &mut ProcessTable,
+    round: u64,
+    (start_time_ns, end_time_ns): (u64, u64),
+    counters: &Counters,
+) -> RoundData {
+    let mut symbols: Vec<Rc<[u8]>> = Vec::new();
+    let mut symbol_index: HashMap<Option<u32>, u32> = HashMap::new();
+    let mut user_stacks: HashMap<u32, Rc<[u64]>> = HashMap::new();
+    let mut kernel_stacks: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut processes: HashMap<u64, Issued> = HashMap::new();
+    let empty: Rc<[u64]> = Rc::from(Vec::new());
+    let mut samples = Vec::with_capacity(drained.samples.len());
+
+    for raw in &drained.samples {
+        let user = match raw.user {
+            StackRef::Id(id) => match drained.stacks.get(&id) {
+                Some(frames) => user_stacks
+                    .entry(id)
+                    .or_insert_with(|| Rc::from(frames.as_slice()))
+                    .clone(),
+                None => empty.clone(),
+            },
+            StackRef::Err(_) => empty.clone(),
+        };
+        let kernel = match raw.kernel {
+            StackRef::Id(id) => match drained.stacks.get(&id) {
+                Some(frames) => kernel_stacks
+                    .entry(id)
+                    .or_insert_with(|| {
+                        frames
+                            .iter()
+                            .map(|&addr| {
+                                let sym = kallsyms.lookup(addr);
+                                if sym.is_none() {
+                                    counters
+                                        .kernel_frames_unresolved
+                                        .set(counters.kernel_frames_unresolved.get() + 1);
+                                }
+                                *symbol_index.entry(sym).or_insert_with(|| {
+                                    let name = sym.map_or(UNKNOWN_KERNEL, |i| kallsyms.name(i));
+                                    symbols.push(Rc::from(name));
+                                    (symbols.len() - 1) as u32
+                                })
+                            })
+                            .collect()
+                    })
+                    .clone(),
+                None => Vec::new(),
+            },
+            StackRef::Err(_) => Vec::new(),
+        };
+        let process_id = table.observe(
+            raw.tgid,
+            raw.start_ns,
+            &raw.comm,
+            &user,
+            round,
+            counters,
+        );
+        if let Some(k) = table.get(raw.tgid).filter(|k| k.id == process_id) {
+            processes.insert(process_id, Issued {
+                id: k.id,
+                version: k.version,
+                record: k.record.clone(),
+            });
+        }
+        samples.push(Sample {
+            process_id,
+            pid: raw.tgid,
+            tid: raw.tid,
+            comm: raw.comm,
+            count: raw.count,
+            user,
+            kernel,
+            user_status: status(raw.user, &drained),
+            kernel_status: status(raw.kernel, &drained),
+        });
+    }
+    counters
+        .samples_sent
+        .set(counters.samples_sent.get() + samples.len() as u64);
+    RoundData {
+        round,
+        start_time_ns,
+        end_time_ns,
+        samples,
+        kernel_symbols: symbols,
+        processes: processes.into_values().collect(),
+    }
+}

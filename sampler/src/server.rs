@@ -1,0 +1,216 @@
+//! The Cap'n Proto server: one RPC system per accepted connection, requests validated
+//! like a privilege-separation monitor (wrong version → error; malformed → the
+//! connection is closed and counted).
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::time::Duration;
+
+use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
+use firn_schema::firn_capnp::{batch_sink, sampler, subscription};
+use firn_schema::PROTOCOL_VERSION;
+use futures::FutureExt;
+use tokio::sync::Notify;
+use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
+
+use crate::counters::Counters;
+use crate::encode::{self, BatchMeta};
+use crate::hub::{Hub, Subscriber};
+
+/// What `info` reports and every batch is stamped with.
+pub struct Identity {
+    pub session_id: u64,
+    pub node: String,
+    pub kernel_release: String,
+    pub frequency_hz: u32,
+    pub round_seconds: u32,
+    pub kept_capabilities: Vec<String>,
+}
+
+pub struct Shared {
+    pub hub: Hub,
+    pub counters: Rc<Counters>,
+    pub identity: Identity,
+    pub connections: Cell<u32>,
+    pub max_connections: u32,
+}
+
+fn bump(c: &Cell<u64>) {
+    c.set(c.get() + 1);
+}
+
+/// Per-connection control: closing it ends the connection's RPC system.
+#[derive(Default)]
+struct Conn {
+    kill: Notify,
+    subscribed: Cell<bool>,
+}
+
+impl Conn {
+    /// Closes the connection shortly, so the error reply still reaches the peer.
+    fn close_soon(self: &Rc<Self>) {
+        let me = self.clone();
+        tokio::task::spawn_local(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            me.kill.notify_one();
+        });
+    }
+}
+
+struct SamplerImpl {
+    shared: Rc<Shared>,
+    conn: Rc<Conn>,
+}
+
+impl SamplerImpl {
+    fn check_version(&self, got: u32) -> Result<(), capnp::Error> {
+        if got == PROTOCOL_VERSION {
+            return Ok(());
+        }
+        bump(&self.shared.counters.protocol_mismatches);
+        tracing::warn!(
+            client_version = got,
+            sampler_version = PROTOCOL_VERSION,
+            "client speaks another protocol version; closing its connection"
+        );
+        self.conn.close_soon();
+        Err(capnp::Error::failed(format!(
+            "protocol version mismatch: firn-sampler speaks version {PROTOCOL_VERSION}, \
+             the client sent {got}; run matching firn versions"
+        )))
+    }
+
+    fn bad_request(&self, what: &str, e: capnp::Error) -> capnp::Error {
+        bump(&self.shared.counters.bad_requests);
+        tracing::warn!(request = what, error = %e, "malformed request; closing the connection");
+        self.conn.close_soon();
+        capnp::Error::failed(format!("malformed {what} request: {e}"))
+    }
+}
+
+impl sampler::Server for SamplerImpl {
+    fn info(
+        self: Rc<Self>,
+        params: sampler::InfoParams,
+        mut results: sampler::InfoResults,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let r = (|| {
+            let version = params
+                .get()
+                .map_err(|e| self.bad_request("info", e))?
+                .get_protocol_version();
+            self.check_version(version)?;
+            let id = &self.shared.identity;
+            let mut info = results.get().init_info();
+            info.set_protocol_version(PROTOCOL_VERSION);
+            info.set_sampler_version(env!("CARGO_PKG_VERSION"));
+            info.set_node(id.node.as_str());
+            info.set_kernel_release(id.kernel_release.as_str());
+            info.set_session_id(id.session_id);
+            info.set_frequency_hz(id.frequency_hz);
+            info.set_round_seconds(id.round_seconds);
+            let mut caps = info
+                .reborrow()
+                .init_kept_capabilities(id.kept_capabilities.len() as u32);
+            for (i, c) in id.kept_capabilities.iter().enumerate() {
+                caps.set(i as u32, c.as_str());
+            }
+            let counters = self.shared.counters.list();
+            encode::fill_counters(info.init_counters(counters.len() as u32), &counters);
+            Ok(())
+        })();
+        std::future::ready(r)
+    }
+
+    fn subscribe(
+        self: Rc<Self>,
+        params: sampler::SubscribeParams,
+        mut results: sampler::SubscribeResults,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let r = (|| {
+            let p = params.get().map_err(|e| self.bad_request("subscribe", e))?;
+            self.check_version(p.get_protocol_version())?;
+            if self.conn.subscribed.replace(true) {
+                return Err(self.bad_request(
+                    "subscribe",
+                    capnp::Error::failed("one subscription per connection".into()),
+                ));
+            }
+            let sink: batch_sink::Client =
+                p.get_sink().map_err(|e| self.bad_request("subscribe", e))?;
+            let sub = self.shared.hub.add();
+            bump(&self.shared.counters.subscriptions);
+            tracing::info!(subscriber = sub.id, "subscribed");
+            tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
+            results
+                .get()
+                .set_subscription(capnp_rpc::new_client(SubscriptionImpl { sub }));
+            Ok(())
+        })();
+        std::future::ready(r)
+    }
+}
+
+struct SubscriptionImpl {
+    sub: Rc<Subscriber>,
+}
+
+impl subscription::Server for SubscriptionImpl {}
+
+impl Drop for SubscriptionImpl {
+    fn drop(&mut self) {
+        tracing::info!(subscriber = self.sub.id, "unsubscribed");
+        self.sub.close();
+    }
+}
+
+async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Client) {
+    let c = &shared.counters;
+    while let Some(out) = sub.next().await {
+        let counters = c.list();
+        let meta = BatchMeta {
+            session_id: shared.identity.session_id,
+            frequency_hz: shared.identity.frequency_hz,
+            dropped_batches: sub.dropped.get(),
+            counters: &counters,
+        };
+        let mut req = sink.push_request();
+        encode::fill_batch(req.get().init_batch(), &out.round, &out.processes, &meta);
+        drop(out);
+        match req.send().await {
+            Ok(()) => bump(&c.batches_sent),
+            Err(e) => {
+                bump(&c.send_errors);
+                tracing::info!(subscriber = sub.id, error = %e, "subscriber gone");
+                sub.close();
+                return;
+            }
+        }
+    }
+}
+
+/// Serves one accepted, already authorised connection until it closes.
+pub async fn serve(stream: tokio::net::UnixStream, shared: Rc<Shared>) {
+    let (r, w) = stream.into_split();
+    let network = twoparty::VatNetwork::new(
+        r.compat(),
+        w.compat_write(),
+        Side::Server,
+        firn_schema::sampler_reader_options(),
+    );
+    let conn = Rc::new(Conn::default());
+    let client: sampler::Client = capnp_rpc::new_client(SamplerImpl {
+        shared: shared.clone(),
+        conn: conn.clone(),
+    });
+    let rpc = RpcSystem::new(Box::new(network), Some(client.client));
+    tokio::select! {
+        res = rpc.map(|r| r) => {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        }
+        _ = conn.kill.notified() => {}
+    }
+    shared.connections.set(shared.connections.get().saturating_sub(1));
+}

@@ -1,0 +1,99 @@
+@0x81ff6f1cc72bc6b3;
+# The only contract between firn-sampler (privileged producer) and firn-enricher.
+# Identifiers in here (sessionId, processId) are issued by the sampler and only mean
+# something within one sampler session. No kernel address is ever carried: kernel
+# frames travel as indices into a per-batch table of names.
+
+const protocolVersion :UInt32 = 1;
+
+interface Sampler {
+  info @0 (protocolVersion :UInt32) -> (info :Info);
+  # Describes the sampler. Fails if the caller speaks another protocol version.
+
+  subscribe @1 (protocolVersion :UInt32, sink :BatchSink) -> (subscription :Subscription);
+  # Starts streaming one Batch per round to `sink`. The subscription lasts while the
+  # caller holds `subscription` (or until the connection closes).
+}
+
+interface BatchSink {
+  push @0 (batch :Batch) -> stream;
+  # Streaming call: the sampler waits for flow control, never for the enricher's work.
+}
+
+interface Subscription {
+  # Held by the subscriber; dropping it ends the subscription.
+}
+
+struct Info {
+  protocolVersion @0 :UInt32;
+  samplerVersion @1 :Text;
+  node @2 :Text;
+  kernelRelease @3 :Text;
+  sessionId @4 :UInt64;
+  frequencyHz @5 :UInt32;
+  roundSeconds @6 :UInt32;
+  keptCapabilities @7 :List(Text);
+  counters @8 :List(Counter);
+}
+
+struct Counter {
+  name @0 :Text;
+  value @1 :UInt64;
+}
+
+struct Batch {
+  sessionId @0 :UInt64;
+  round @1 :UInt64;              # sequence number of the round within the session
+  startTimeNs @2 :UInt64;        # wall clock, Unix ns, of the round's start
+  endTimeNs @3 :UInt64;
+  frequencyHz @4 :UInt32;
+  processes @5 :List(Process);   # records the samples of this batch need, not sent before
+  samples @6 :List(Sample);
+  kernelSymbols @7 :List(Text);  # interned kernel function names of this batch
+  counters @8 :List(Counter);    # cumulative since the sampler started
+  droppedBatches @9 :UInt64;     # batches this subscriber lost to its full queue, in all
+}
+
+struct Process {
+  processId @0 :UInt64;          # identity of (pid, startTimeNs) within the session
+  pid @1 :UInt32;
+  startTimeNs @2 :UInt64;        # since boot, of the thread group leader
+  ppid @3 :UInt32;
+  uid @4 :UInt32;
+  comm @5 :Data;
+  exe @6 :Data;                  # target of /proc/<pid>/exe, as the kernel printed it
+  cmdline @7 :List(Data);        # bounded: argument count and bytes are capped
+  cgroup @8 :Data;               # /proc/<pid>/cgroup, bounded
+  mappings @9 :List(Mapping);    # executable file mappings only
+  mappingsVersion @10 :UInt32;   # bumped each time the mappings were read again (dlopen)
+  complete @11 :Bool;            # false: the process was gone before /proc could be read
+}
+
+struct Mapping {
+  start @0 :UInt64;
+  end @1 :UInt64;
+  fileOffset @2 :UInt64;
+  devMajor @3 :UInt32;
+  devMinor @4 :UInt32;
+  inode @5 :UInt64;
+  path @6 :Data;
+}
+
+enum StackStatus {
+  ok @0;
+  absent @1;                     # none of this kind (kernel thread, user-mode sample)
+  lost @2;                       # the stack map had no room; counted in the counters
+  error @3;                      # the kernel could not read it; counted in the counters
+}
+
+struct Sample {
+  processId @0 :UInt64;          # 0 when no process record exists (see `complete`)
+  pid @1 :UInt32;
+  tid @2 :UInt32;
+  comm @3 :Data;                 # the thread's comm when sampled
+  count @4 :UInt64;
+  userFrames @5 :List(UInt64);   # return addresses, innermost first
+  kernelFrames @6 :List(UInt32); # indices into Batch.kernelSymbols, innermost first
+  userStack @7 :StackStatus;
+  kernelStack @8 :StackStatus;
+}
