@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
 use firn_schema::firn_capnp::{batch_sink, sampler};
-use firn_schema::PROTOCOL_VERSION;
 use tokio::sync::mpsc;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
@@ -20,11 +19,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error(
-        "protocol version mismatch: this firn-enricher speaks version {ours}, the sampler \
-         {theirs}; run matching firn versions"
-    )]
-    Version { ours: u32, theirs: String },
+    #[error("{detail} (this firn-enricher speaks protocol version {ours})")]
+    Version { ours: u32, detail: String },
 }
 
 #[derive(Debug, Clone)]
@@ -92,6 +88,7 @@ impl batch_sink::Server for Sink {
 /// protocol version mismatch, which no retry can fix.
 pub async fn run(
     socket: PathBuf,
+    version: u32,
     tx: mpsc::Sender<Event>,
     counters: Rc<ClientCounters>,
 ) -> ClientError {
@@ -102,7 +99,7 @@ pub async fn run(
             Ok(stream) => {
                 counters.connects.set(counters.connects.get() + 1);
                 logged_down = false;
-                match session(stream, &tx, &counters).await {
+                match session(stream, version, &tx, &counters).await {
                     Ok(()) => backoff = FIRST_BACKOFF,
                     Err(SessionEnd::Fatal(e)) => return e,
                     Err(SessionEnd::Other(msg)) => {
@@ -134,6 +131,7 @@ enum SessionEnd {
 
 async fn session(
     stream: tokio::net::UnixStream,
+    version: u32,
     tx: &mpsc::Sender<Event>,
     counters: &Rc<ClientCounters>,
 ) -> Result<(), SessionEnd> {
@@ -150,22 +148,25 @@ async fn session(
 
     let other = |e: capnp::Error| SessionEnd::Other(e.to_string());
     let mut req = client.info_request();
-    req.get().set_protocol_version(PROTOCOL_VERSION);
+    req.get().set_protocol_version(version);
     let reply = match req.send().promise.await {
         Ok(r) => r,
         Err(e) if e.to_string().contains("protocol version mismatch") => {
             return Err(SessionEnd::Fatal(ClientError::Version {
-                ours: PROTOCOL_VERSION,
-                theirs: e.to_string(),
+                ours: version,
+                detail: e.extra.trim_start_matches("remote exception: ").to_string(),
             }))
         }
         Err(e) => return Err(other(e)),
     };
     let info = reply.get().and_then(|r| r.get_info()).map_err(other)?;
-    if info.get_protocol_version() != PROTOCOL_VERSION {
+    if info.get_protocol_version() != version {
         return Err(SessionEnd::Fatal(ClientError::Version {
-            ours: PROTOCOL_VERSION,
-            theirs: info.get_protocol_version().to_string(),
+            ours: version,
+            detail: format!(
+                "protocol version mismatch: firn-sampler speaks version {}; run matching firn versions",
+                info.get_protocol_version()
+            ),
         }));
     }
     let text = |t: capnp::Result<capnp::text::Reader<'_>>| {
@@ -203,7 +204,7 @@ async fn session(
         counters: counters.clone(),
     });
     let mut sub = client.subscribe_request();
-    sub.get().set_protocol_version(PROTOCOL_VERSION);
+    sub.get().set_protocol_version(version);
     sub.get().set_sink(sink);
     let subscribed = sub.send().promise.await.map_err(other)?;
     // Holding the subscription keeps it alive until the connection ends.

@@ -34,6 +34,10 @@ struct Args {
     #[arg(long)]
     allow_root: bool,
 
+    /// Protocol version to announce (tests of the mismatch path only).
+    #[arg(long, hide = true, default_value_t = firn_schema::PROTOCOL_VERSION)]
+    protocol_version: u32,
+
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
     log: String,
@@ -73,7 +77,7 @@ fn main() -> ExitCode {
 async fn run(args: Args) -> ExitCode {
     let (tx, mut rx) = mpsc::channel(4);
     let counters = Rc::new(client::ClientCounters::default());
-    let mut client = tokio::task::spawn_local(client::run(args.socket.clone(), tx, counters));
+    let mut client = tokio::task::spawn_local(client::run(args.socket.clone(), args.protocol_version, tx, counters));
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(e) => {
@@ -86,17 +90,21 @@ async fn run(args: Args) -> ExitCode {
         tokio::select! {
             ev = rx.recv() => match ev {
                 Some(ev) => out.event(&ev),
-                None => break,
+                // The client only ends on a fatal error; report it below.
+                None => return fatal(client.await),
             },
-            res = &mut client => {
-                if let Ok(e) = res {
-                    tracing::error!("{e}");
-                }
-                return ExitCode::from(3);
-            }
+            res = &mut client => return fatal(res),
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
         }
     }
     ExitCode::SUCCESS
+}
+
+fn fatal(res: Result<client::ClientError, tokio::task::JoinError>) -> ExitCode {
+    match res {
+        Ok(e) => tracing::error!("{e}"),
+        Err(e) => tracing::error!(error = %e, "the sampler client stopped"),
+    }
+    ExitCode::from(3)
 }

@@ -39,12 +39,17 @@ pub enum AttachError {
 pub struct Sampling {
     pub skel: ProfileSkel<'static>,
     links: Vec<Link>,
-    pub cpus: Vec<u32>,
+    cpus: Vec<u32>,
 }
 
 impl Sampling {
     pub fn links(&self) -> usize {
         self.links.len()
+    }
+
+    /// Online CPUs the program is attached to.
+    pub fn cpus(&self) -> &[u32] {
+        &self.cpus
     }
 }
 

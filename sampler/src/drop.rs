@@ -133,7 +133,8 @@ pub fn build_filter(ctx: &FilterContext) -> Result<BpfProgram, DropError> {
         | libc::O_CREAT
         | libc::O_TRUNC
         | libc::O_APPEND
-        | libc::O_TMPFILE) as u64;
+        // O_TMPFILE includes O_DIRECTORY's bit; only its own bit means "create".
+        | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
     rules.insert(
         libc::SYS_openat,
         vec![SeccompRule::new(vec![cond(2, Len::Dword, Op::MaskedEq(WRITE_FLAGS), 0)?])?],

@@ -50,10 +50,6 @@ impl Subscriber {
             self.wake.notified().await;
         }
     }
-
-    pub fn queued(&self) -> usize {
-        self.queue.borrow().len()
-    }
 }
 
 pub struct Hub {

@@ -103,7 +103,8 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         drain::check_key_size(sampling.skel.maps.counts_0.key_size())?;
     }
     tracing::info!(
-        cpus = sampling.links(),
+        links = sampling.links(),
+        cpus = ?sampling.cpus(),
         frequency_hz = args.frequency,
         round_seconds = args.round,
         kernel_symbols = kallsyms.len(),

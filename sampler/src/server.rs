@@ -17,6 +17,8 @@ use crate::counters::Counters;
 use crate::encode::{self, BatchMeta};
 use crate::hub::{Hub, Subscriber};
 
+const STREAM_WINDOW_BYTES: usize = 16 * 1024;
+
 /// What `info` reports and every batch is stamped with.
 pub struct Identity {
     pub session_id: u64,
@@ -192,12 +194,16 @@ async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Cl
 /// Serves one accepted, already authorised connection until it closes.
 pub async fn serve(stream: tokio::net::UnixStream, shared: Rc<Shared>) {
     let (r, w) = stream.into_split();
-    let network = twoparty::VatNetwork::new(
+    let mut network = twoparty::VatNetwork::new(
         r.compat(),
         w.compat_write(),
         Side::Server,
         firn_schema::sampler_reader_options(),
     );
+    // Unacknowledged push bytes allowed per subscriber. Batches come once per round, so
+    // a small window costs nothing; past it a stalled subscriber's batches wait in its
+    // bounded queue, where the oldest are dropped and counted.
+    network.set_window_size(STREAM_WINDOW_BYTES);
     let conn = Rc::new(Conn::default());
     let client: sampler::Client = capnp_rpc::new_client(SamplerImpl {
         shared: shared.clone(),

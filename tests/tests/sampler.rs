@@ -1,0 +1,425 @@
+//! End-to-end tests of firn-sampler on this kernel (issue: sampler). Each test starts the
+//! real release binary, as root, and a real client (firn-enricher --dump).
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::time::Duration;
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+
+fn ncpus() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
+}
+
+/// Samples of `pid` in one batch.
+fn samples_of<'a>(batch: &'a Value, pid: u64) -> Vec<&'a Value> {
+    batch["samples"]
+        .as_array()
+        .map(|s| s.iter().filter(|s| s["pid"].as_u64() == Some(pid)).collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn sampling_end_to_end() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("e2e");
+    let sock = dir.path().join("s.sock");
+    let (uid, gid) = test_user("firn-test");
+    let freq = 99u64;
+    let mut sampler = start_sampler(
+        &bin("firn-sampler"),
+        &sock,
+        &[
+            "--frequency",
+            "99",
+            "--round",
+            "2",
+            "--allow-uid",
+            &uid.to_string(),
+            "--socket-group",
+            &gid.to_string(),
+        ],
+    );
+    let dump = start_dump(&sock, Some((uid, gid)), &[]);
+    assert!(dump.wait_for("\"connected\"", 10 * SECS).is_some(), "no connection");
+    let exe = workload("busy");
+    let t_start = now_ns();
+    let mut w = start_workload(&exe, &["9"]);
+    let pid = u64::from(w.pid());
+    w.wait_exit(20 * SECS).expect("workload ends");
+    let t_end = now_ns();
+    // Let the round holding the workload's end arrive.
+    std::thread::sleep(5 * SECS);
+    let batches = batches(&dump);
+
+    // The workload's process record, with its executable mapping.
+    let record = batches
+        .iter()
+        .flat_map(|b| b["processes"].as_array().cloned().unwrap_or_default())
+        .find(|p| p["pid"].as_u64() == Some(pid))
+        .expect("a process record for the workload");
+    assert_eq!(record["complete"], true);
+    let exe_str = exe.to_string_lossy().to_string();
+    let maps: Vec<(u64, u64)> = record["mappings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["path"].as_str() == Some(exe_str.as_str()))
+        .map(|m| (m["start"].as_u64().unwrap(), m["end"].as_u64().unwrap()))
+        .collect();
+    assert!(!maps.is_empty(), "workload's executable mapping missing: {record}");
+    let in_exe = |a: u64| maps.iter().any(|&(s, e)| a >= s && a < e);
+
+    // Stacks: depth >= 4 with addresses inside the executable.
+    let mut deep = 0u64;
+    let mut total = 0u64;
+    for b in &batches {
+        for s in samples_of(b, pid) {
+            let frames: Vec<u64> = s["user_frames"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_u64().unwrap())
+                .collect();
+            total += s["count"].as_u64().unwrap();
+            if frames.len() >= 4 && frames.iter().take(4).all(|&a| in_exe(a)) {
+                deep += s["count"].as_u64().unwrap();
+            }
+        }
+    }
+    assert!(total > 0, "no samples for the workload");
+    assert!(
+        deep * 10 >= total * 9,
+        "only {deep} of {total} samples have >= 4 frames inside the executable"
+    );
+
+    // Counts: rounds entirely inside the workload's life, ±15% of Hz × s × CPUs.
+    let mut checked = 0;
+    for b in &batches {
+        let (s, e) = (b["start_time_ns"].as_u64().unwrap(), b["end_time_ns"].as_u64().unwrap());
+        if s < t_start + 300_000_000 || e > t_end {
+            continue;
+        }
+        let got: u64 = samples_of(b, pid).iter().map(|s| s["count"].as_u64().unwrap()).sum();
+        let expected = freq as f64 * ((e - s) as f64 / 1e9) * ncpus() as f64;
+        assert!(
+            (got as f64 - expected).abs() <= expected * 0.15,
+            "round {}: {got} samples, expected {expected:.0} ± 15%",
+            b["round"]
+        );
+        checked += 1;
+    }
+    assert!(checked >= 2, "fewer than two full rounds inside the workload's run");
+    sampler.stop();
+}
+
+#[test]
+fn kernel_frames_are_names_and_no_kernel_address_leaves() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("kern");
+    let sock = dir.path().join("s.sock");
+    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--frequency", "99", "--round", "1"]);
+    let dump = start_dump(&sock, None, &[]);
+    assert!(dump.wait_for("\"connected\"", 10 * SECS).is_some());
+    let mut w = start_workload(&workload("syscalls"), &["4"]);
+    let pid = u64::from(w.pid());
+    w.wait_exit(15 * SECS).expect("workload ends");
+    std::thread::sleep(3 * SECS);
+    let batches = batches(&dump);
+    let mut names = HashSet::new();
+    for b in &batches {
+        let syms: Vec<&str> = b["kernel_symbols"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap())
+            .collect();
+        for s in samples_of(b, pid) {
+            for f in s["kernel_frames"].as_array().unwrap() {
+                names.insert(syms[f.as_u64().unwrap() as usize].to_string());
+            }
+        }
+    }
+    assert!(
+        names
+            .iter()
+            .any(|n| n.starts_with("__x64_sys_") || n.starts_with("entry_SYSCALL_64") || n == "do_syscall_64"),
+        "no syscall entry names among {names:?}"
+    );
+    // Every integer of every message received, at any depth.
+    fn walk(v: &Value, bad: &mut Vec<u64>) {
+        match v {
+            Value::Number(n) => {
+                if let Some(u) = n.as_u64() {
+                    if u >= 0xffff_8000_0000_0000 {
+                        bad.push(u);
+                    }
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|x| walk(x, bad)),
+            Value::Object(o) => o.values().for_each(|x| walk(x, bad)),
+            _ => {}
+        }
+    }
+    let mut bad = Vec::new();
+    for line in dump.lines().iter().filter(|l| l.starts_with('{')) {
+        let v: Value = serde_json::from_str(line).unwrap();
+        walk(&v, &mut bad);
+    }
+    assert!(bad.is_empty(), "kernel-half integers on the wire: {:x?}", &bad[..bad.len().min(5)]);
+    sampler.stop();
+}
+
+fn cap_fields(pid: u32) -> Vec<(String, Vec<(String, String)>)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let status = std::fs::read_to_string(task.join("status")).unwrap();
+        let fields = status
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .filter(|(k, _)| {
+                ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp"].contains(k)
+            })
+            .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+            .collect();
+        out.push((task.display().to_string(), fields));
+    }
+    out
+}
+
+#[test]
+fn privileges_are_dropped_on_every_task() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("caps");
+    let sock = dir.path().join("s.sock");
+    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--round", "1"]);
+    // Let it serve a client and run rounds, so the steady state is what is measured.
+    let dump = start_dump(&sock, None, &[]);
+    wait_batches(&dump, 2, 10 * SECS);
+    // CAP_SYS_PTRACE is bit 19: the one capability kept (sampler/README.md).
+    let kept = "0000000000080000";
+    let tasks = cap_fields(sampler.pid());
+    assert!(!tasks.is_empty());
+    for (task, fields) in tasks {
+        let get = |k: &str| fields.iter().find(|f| f.0 == k).map(|f| f.1.as_str());
+        assert_eq!(get("CapEff"), Some(kept), "{task}");
+        assert_eq!(get("CapPrm"), Some(kept), "{task}");
+        assert_eq!(get("CapBnd"), Some(kept), "{task}");
+        assert_eq!(get("CapAmb"), Some("0000000000000000"), "{task}");
+        assert_eq!(get("CapInh"), Some("0000000000000000"), "{task}");
+        assert_eq!(get("NoNewPrivs"), Some("1"), "{task}");
+        assert_eq!(get("Seccomp"), Some("2"), "{task}");
+    }
+    sampler.stop();
+}
+
+#[test]
+fn forbidden_syscalls_are_refused() {
+    if !can_run_bpf() {
+        return;
+    }
+    let probe = bin("firn-sampler-probe");
+    assert!(
+        probe.exists(),
+        "{} missing: tests/run.sh builds it with --features forbidden-probe",
+        probe.display()
+    );
+    let dir = TempDir::new("probe");
+    let sock = dir.path().join("s.sock");
+    let target = std::path::Path::new("/tmp/firn-forbidden-probe");
+    let _ = std::fs::remove_file(target);
+    let mut sampler = start_sampler(&probe, &sock, &["--round", "1"]);
+    let expected = [
+        "execve",
+        "socket_inet",
+        "ptrace",
+        "process_vm_readv",
+        "bpf_prog_load",
+        "bpf_map_create",
+        "perf_event_open",
+        "openat_write",
+    ];
+    std::thread::sleep(SECS);
+    let lines = sampler.lines();
+    for name in expected {
+        let line = lines
+            .iter()
+            .find(|l| l.contains("forbidden syscall probe") && l.contains(&format!("syscall=\"{name}\"")))
+            .unwrap_or_else(|| panic!("no probe result for {name}: {lines:#?}"));
+        // The filter's designed answer is EPERM (sampler/README.md).
+        assert!(line.contains("outcome=EPERM"), "{name} was not refused with EPERM: {line}");
+    }
+    assert!(!target.exists(), "the probe created a file");
+    // Still alive and serving after the attempts.
+    let dump = start_dump(&sock, None, &[]);
+    assert!(wait_batches(&dump, 1, 10 * SECS).len() >= 1);
+    sampler.stop();
+}
+
+#[test]
+fn peer_credentials_are_checked() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("peer");
+    let sock = dir.path().join("s.sock");
+    let (uid, gid) = test_user("firn-test");
+    let (bad_uid, bad_gid) = test_user("firn-test-denied");
+    // Both users can reach the socket file (group + mode), only one is allowed.
+    let mut sampler = start_sampler(
+        &bin("firn-sampler"),
+        &sock,
+        &["--round", "1", "--allow-uid", &uid.to_string()],
+    );
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let mut denied = start_dump(&sock, Some((bad_uid, bad_gid)), &[]);
+    assert!(
+        sampler.wait_for("peer not allowed", 10 * SECS).is_some(),
+        "denied peer not logged"
+    );
+    std::thread::sleep(2 * SECS);
+    assert!(batches(&denied).is_empty(), "a denied peer received batches");
+    denied.stop();
+    let allowed = start_dump(&sock, Some((uid, gid)), &[]);
+    let got = wait_batches(&allowed, 2, 10 * SECS);
+    assert!(got.len() >= 2, "allowed uid received no batches");
+    assert!(counter(got.last().unwrap(), "connections_refused_peer").unwrap() >= 1);
+    sampler.stop();
+}
+
+#[test]
+fn socket_activation_by_systemd() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("sa");
+    let sock = dir.path().join("act.sock");
+    let mut cmd = Command::new("systemd-socket-activate");
+    cmd.arg("-l")
+        .arg(&sock)
+        .arg(bin("firn-sampler"))
+        .args(["--round", "1", "--socket", "/nonexistent/ignored.sock"]);
+    let mut act = Proc::spawn("socket-activate", cmd);
+    // Wait for the socket file, then connect: systemd-socket-activate starts the sampler.
+    let t0 = std::time::Instant::now();
+    while !sock.exists() && t0.elapsed() < 10 * SECS {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let dump = start_dump(&sock, None, &[]);
+    let got = wait_batches(&dump, 2, 30 * SECS);
+    assert!(got.len() >= 2, "no batches through the activated socket: {:#?}", act.lines());
+    assert!(act.lines().iter().any(|l| l.contains("using the socket passed by systemd")));
+    act.stop();
+}
+
+#[test]
+fn slow_absent_and_returning_subscribers() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("slow");
+    let sock = dir.path().join("s.sock");
+    let mut sampler = start_sampler(
+        &bin("firn-sampler"),
+        &sock,
+        &["--round", "1", "--frequency", "999", "--queue-batches", "2"],
+    );
+    // Load so batches have weight.
+    let _w = start_workload(&workload("busy"), &["45"]);
+    // No subscriber for a while: memory stays bounded.
+    std::thread::sleep(4 * SECS);
+    let rss_idle = rss_kib(sampler.pid()).unwrap();
+    // A subscriber that stops reading (SIGSTOP): its queue fills, oldest batches drop.
+    let slow = start_dump(&sock, None, &[]);
+    wait_batches(&slow, 1, 10 * SECS);
+    slow.signal(nix::sys::signal::Signal::SIGSTOP);
+    let mut peak = 0;
+    for _ in 0..15 {
+        std::thread::sleep(SECS);
+        peak = peak.max(rss_kib(sampler.pid()).unwrap());
+    }
+    slow.signal(nix::sys::signal::Signal::SIGCONT);
+    std::thread::sleep(3 * SECS);
+    let got = batches(&slow);
+    let last = got.last().expect("batches after resuming");
+    assert!(
+        last["dropped_batches"].as_u64().unwrap() >= 1,
+        "no drops counted for the stalled subscriber"
+    );
+    assert!(counter(last, "batches_dropped").unwrap() >= 1);
+    // Bound: queue of 2 batches plus in-flight data; far below this on any machine.
+    assert!(peak < 64 * 1024, "sampler RSS {peak} KiB while a subscriber stalled (idle {rss_idle} KiB)");
+    // Rounds keep being numbered in order, none twice.
+    let rounds: Vec<u64> = got.iter().map(|b| b["round"].as_u64().unwrap()).collect();
+    assert!(rounds.windows(2).all(|w| w[0] < w[1]), "rounds out of order: {rounds:?}");
+    drop(slow);
+    // A returning client receives the following rounds.
+    let again = start_dump(&sock, None, &[]);
+    let more = wait_batches(&again, 2, 10 * SECS);
+    assert!(more.len() >= 2);
+    assert!(more[0]["round"].as_u64().unwrap() > *rounds.last().unwrap());
+    sampler.stop();
+}
+
+#[test]
+fn clear_errors_for_bad_setup() {
+    if !can_run_bpf() {
+        return;
+    }
+    let run = |args: &[&str]| {
+        let out = Command::new(bin("firn-sampler")).args(args).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (code, err) = run(&["--frequency", "0"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--frequency"), "{err}");
+    let (code, err) = run(&["--round", "601"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--round"), "{err}");
+    let (code, err) = run(&["--socket", "/nonexistent-dir/x.sock"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("does not exist"), "{err}");
+
+    let dir = TempDir::new("busy");
+    let sock = dir.path().join("s.sock");
+    let mut first = start_sampler(&bin("firn-sampler"), &sock, &[]);
+    let (code, err) = run(&["--socket", sock.to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("in use"), "{err}");
+    first.stop();
+    assert!(!sock.exists(), "socket file left behind after SIGTERM");
+
+    // Not root: the missing capabilities are named.
+    let (uid, gid) = test_user("firn-test");
+    let out = Command::new("setpriv")
+        .args([&format!("--reuid={uid}"), &format!("--regid={gid}"), "--clear-groups"])
+        .arg(bin("firn-sampler"))
+        .args(["--socket", "/tmp/never.sock"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("CAP_BPF") && err.contains("CAP_PERFMON"), "{err}");
+
+    // Protocol mismatch: clear on both sides.
+    let sock = dir.path().join("v.sock");
+    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &[]);
+    let mut client = start_dump(&sock, None, &["--protocol-version", "99"]);
+    let status = client.wait_exit(10 * SECS).expect("client exits on mismatch");
+    assert!(!status.success());
+    assert!(client.lines().iter().any(|l| l.contains("protocol version mismatch")));
+    assert!(sampler.wait_for("another protocol version", 5 * SECS).is_some());
+    // And the sampler keeps serving others.
+    let ok = start_dump(&sock, None, &[]);
+    assert!(ok.wait_for("\"connected\"", 10 * SECS).is_some());
+    sampler.stop();
+}
