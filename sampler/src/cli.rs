@@ -31,13 +31,14 @@ pub struct Args {
     #[arg(long)]
     pub socket_group: Option<String>,
 
-    /// User ids allowed to connect (repeatable or comma-separated). uid 0 is always allowed.
+    /// Users allowed to connect, by name or uid (repeatable or comma-separated).
+    /// uid 0 is always allowed.
     #[arg(long, value_delimiter = ',')]
-    pub allow_uid: Vec<u32>,
+    pub allow_uid: Vec<String>,
 
-    /// Group ids allowed to connect (the peer's primary gid), repeatable or comma-separated.
+    /// Groups allowed to connect (the peer's primary group), by name or gid.
     #[arg(long, value_delimiter = ',')]
-    pub allow_gid: Vec<u32>,
+    pub allow_gid: Vec<String>,
 
     /// Batches kept per subscriber before the oldest is dropped (1–64).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]

@@ -23,8 +23,10 @@ pub enum ListenError {
     NotASocket(String),
     #[error("socket path {0} has no file name")]
     NoFileName(String),
-    #[error("unknown --socket-group {0}")]
+    #[error("unknown group {0} (in --socket-group or --allow-gid)")]
     UnknownGroup(String),
+    #[error("unknown user {0} (in --allow-uid)")]
+    UnknownUser(String),
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -163,6 +165,25 @@ pub fn create(path: &Path, group: Option<&str>) -> Result<Listening, ListenError
             path: path.to_path_buf(),
         }),
     })
+}
+
+/// Resolves `--allow-uid` / `--allow-gid` values (names or numbers) before confinement.
+pub fn resolve_allow(users: &[String], groups: &[String]) -> Result<Allow, ListenError> {
+    let uids = users
+        .iter()
+        .map(|u| match u.parse::<u32>() {
+            Ok(n) => Ok(n),
+            Err(_) => match nix::unistd::User::from_name(u) {
+                Ok(Some(user)) => Ok(user.uid.as_raw()),
+                _ => Err(ListenError::UnknownUser(u.clone())),
+            },
+        })
+        .collect::<Result<_, _>>()?;
+    let gids = groups
+        .iter()
+        .map(|g| resolve_group(g).map(Gid::as_raw))
+        .collect::<Result<_, _>>()?;
+    Ok(Allow { uids, gids })
 }
 
 fn resolve_group(g: &str) -> Result<Gid, ListenError> {

@@ -80,6 +80,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         None => listen::create(&args.socket, args.socket_group.as_deref())?,
     };
     listening.listener.set_nonblocking(true)?;
+    let allow = listen::resolve_allow(&args.allow_uid, &args.allow_gid)?;
 
     // Opened while CAP_SYSLOG is held: the kernel decides visibility at open time.
     let kallsyms = match std::fs::File::open("/proc/kallsyms").map(Kallsyms::read) {
@@ -137,6 +138,10 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         )
     };
 
+    // Setup freed several MiB (kallsyms text, libbpf's parse of the kernel BTF); hand
+    // them back so the steady state starts small.
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
     drop::drop_capabilities().context("dropping capabilities")?;
     let filter = drop::build_filter(&drop::FilterContext {
         socket_dir_fd: listening
@@ -160,10 +165,6 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         connections: Cell::new(0),
         max_connections: args.max_connections,
     });
-    let allow = Allow {
-        uids: args.allow_uid.clone(),
-        gids: args.allow_gid.clone(),
-    };
     let local = tokio::task::LocalSet::new();
     local.block_on(
         &rt,

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Profiles this machine with firn: installs what is missing (Debian), builds release
+# binaries, creates the unprivileged user `firn`, starts the sampler as root (it drops
+# its privileges after setup) and the enricher as `firn` over a socket in a private
+# runtime directory. Ctrl-C stops both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "packaging/run-local.sh needs root to start the sampler; try: sudo $0" >&2
+    exit 1
+fi
+
+packages=(clang llvm libelf-dev zlib1g-dev make gcc pkg-config capnproto libcapnp-dev util-linux passwd)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null && [ -f "$HOME/.cargo/env" ]; then
+    . "$HOME/.cargo/env"
+fi
+cargo build --release --locked --workspace --bins
+
+user=firn
+if ! id "$user" >/dev/null 2>&1; then
+    useradd --system --no-create-home --shell /usr/sbin/nologin --user-group "$user"
+fi
+uid=$(id -u "$user")
+gid=$(id -g "$user")
+
+rundir=$(mktemp -d /run/firn-local.XXXXXX)
+chown "root:$gid" "$rundir"
+chmod 0750 "$rundir"
+socket="$rundir/sampler.sock"
+# The enricher's data lives where the firn user can write it.
+state=${FIRN_STATE_DIR:-/var/lib/firn}
+mkdir -p "$state"
+chown "$uid:$gid" "$state"
+chmod 0750 "$state"
+
+bin=target/release
+"$bin/firn-sampler" --socket "$socket" --socket-group "$gid" --allow-uid "$uid" "$@" &
+sampler=$!
+enricher=
+cleanup() {
+    trap - INT TERM EXIT
+    [ -n "$enricher" ] && kill -TERM "$enricher" 2>/dev/null || true
+    kill -TERM "$sampler" 2>/dev/null || true
+    wait 2>/dev/null || true
+    rm -rf "$rundir"
+    echo "firn stopped"
+}
+trap cleanup INT TERM EXIT
+
+for _ in $(seq 100); do
+    [ -S "$socket" ] && break
+    kill -0 "$sampler" 2>/dev/null || { echo "the sampler failed to start" >&2; exit 1; }
+    sleep 0.1
+done
+cd "$state"
+setpriv --reuid="$uid" --regid="$gid" --clear-groups --inh-caps=-all \
+    "$OLDPWD/$bin/firn-enricher" --socket "$socket" &
+enricher=$!
+echo "firn is running: sampler pid $sampler (root, confined), enricher pid $enricher (user $user)"
+echo "socket: $socket; Ctrl-C stops both"
+wait -n "$sampler" "$enricher" || true

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Runs every firn test on this machine: installs what is missing (Debian), builds the
+# release binaries (plus the test-only probe build of the sampler), then runs unit and
+# end-to-end tests. Needs root: the end-to-end tests load BPF and create test users.
+# With CI=true or FIRN_REQUIRE_BPF=1 a test that cannot load BPF fails instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "tests/run.sh needs root (the end-to-end tests load BPF programs); try: sudo $0" >&2
+    exit 1
+fi
+
+packages=(clang llvm libelf-dev zlib1g-dev make gcc pkg-config capnproto libcapnp-dev golang-go util-linux systemd passwd)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+if ! command -v cargo >/dev/null; then
+    [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+fi
+
+export FIRN_REQUIRE_BPF="${FIRN_REQUIRE_BPF:-1}"
+# The probe copy first: cargo keeps both feature sets' artefacts, so the plain build
+# after it only re-links.
+cargo build --release --locked -p firn-sampler --features forbidden-probe
+cp target/release/firn-sampler target/release/firn-sampler-probe
+cargo build --release --locked --workspace --bins
+# Unit tests of every crate, then the end-to-end tests one at a time (they measure
+# sample counts and CPU, so they must not share the machine with each other).
+cargo test --release --locked --workspace --exclude firn-tests
+cargo test --release --locked -p firn-tests -- --test-threads=1
