@@ -109,12 +109,7 @@ pub fn counters(
 ) -> Result<Vec<(String, u64)>, DecodeError> {
     check("counters", list.len(), limits::MAX_COUNTERS)?;
     list.iter()
-        .map(|c| {
-            Ok((
-                c.get_name()?.to_string().unwrap_or_default(),
-                c.get_value(),
-            ))
-        })
+        .map(|c| Ok((c.get_name()?.to_string().unwrap_or_default(), c.get_value())))
         .collect()
 }
 
@@ -179,7 +174,10 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         let kernel = s.get_kernel_frames()?;
         check("kernel frames", kernel.len(), limits::MAX_FRAMES)?;
         let kernel_frames: Vec<u32> = kernel.iter().collect();
-        if let Some(&index) = kernel_frames.iter().find(|&&i| i as usize >= kernel_symbols.len()) {
+        if let Some(&index) = kernel_frames
+            .iter()
+            .find(|&&i| i as usize >= kernel_symbols.len())
+        {
             return Err(DecodeError::BadSymbol {
                 index,
                 len: kernel_symbols.len(),

@@ -170,9 +170,7 @@ async fn session(
         }));
     }
     let text = |t: capnp::Result<capnp::text::Reader<'_>>| {
-        t.ok()
-            .and_then(|t| t.to_string().ok())
-            .unwrap_or_default()
+        t.ok().and_then(|t| t.to_string().ok()).unwrap_or_default()
     };
     let sampler_info = SamplerInfo {
         session_id: info.get_session_id(),

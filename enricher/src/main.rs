@@ -77,7 +77,12 @@ fn main() -> ExitCode {
 async fn run(args: Args) -> ExitCode {
     let (tx, mut rx) = mpsc::channel(4);
     let counters = Rc::new(client::ClientCounters::default());
-    let mut client = tokio::task::spawn_local(client::run(args.socket.clone(), args.protocol_version, tx, counters));
+    let mut client = tokio::task::spawn_local(client::run(
+        args.socket.clone(),
+        args.protocol_version,
+        tx,
+        counters,
+    ));
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(e) => {

@@ -33,12 +33,14 @@ impl Printer {
                     }
                 })
             ),
-            Event::Connected(info) => writeln!(
+            Event::Connected(info) => {
+                writeln!(
                 out,
                 "connected: node {} kernel {} sampling at {} Hz, {} s rounds, sampler keeps {:?}",
                 info.node, info.kernel_release, info.frequency_hz, info.round_seconds,
                 info.kept_capabilities
-            ),
+            )
+            }
             Event::Disconnected if self.json => writeln!(out, "{{\"disconnected\":true}}"),
             Event::Disconnected => writeln!(out, "disconnected; reconnecting"),
             Event::Batch(b) if self.json => match serde_json::to_string(b) {
@@ -47,7 +49,8 @@ impl Printer {
             },
             Event::Batch(b) => {
                 let samples: u64 = b.samples.iter().map(|s| s.count).sum();
-                let pids: std::collections::HashSet<u32> = b.samples.iter().map(|s| s.pid).collect();
+                let pids: std::collections::HashSet<u32> =
+                    b.samples.iter().map(|s| s.pid).collect();
                 let mut by_sym: HashMap<u32, u64> = HashMap::new();
                 for s in &b.samples {
                     if let Some(&leaf) = s.kernel_frames.first() {
@@ -55,7 +58,7 @@ impl Printer {
                     }
                 }
                 let mut top: Vec<_> = by_sym.into_iter().collect();
-                top.sort_by(|a, b| b.1.cmp(&a.1));
+                top.sort_by_key(|t| std::cmp::Reverse(t.1));
                 let names: Vec<String> = top
                     .iter()
                     .take(self.top)

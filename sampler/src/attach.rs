@@ -29,10 +29,7 @@ pub enum AttachError {
     #[error("perf_event_open(cpu-clock, cpu {cpu}) failed: {errno}")]
     PerfOpen { cpu: u32, errno: nix::errno::Errno },
     #[error("attaching the BPF program to cpu {cpu}: {source}")]
-    Attach {
-        cpu: u32,
-        source: libbpf_rs::Error,
-    },
+    Attach { cpu: u32, source: libbpf_rs::Error },
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.

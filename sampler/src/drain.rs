@@ -57,9 +57,23 @@ pub struct Drained {
 }
 
 fn parse_key(k: &[u8]) -> Option<RawSample> {
-    let u32_at = |o: usize| k.get(o..o + 4).and_then(|b| b.try_into().ok()).map(u32::from_ne_bytes);
-    let i32_at = |o: usize| k.get(o..o + 4).and_then(|b| b.try_into().ok()).map(i32::from_ne_bytes);
-    let stack = |v: i32| if v >= 0 { StackRef::Id(v as u32) } else { StackRef::Err(v) };
+    let u32_at = |o: usize| {
+        k.get(o..o + 4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_ne_bytes)
+    };
+    let i32_at = |o: usize| {
+        k.get(o..o + 4)
+            .and_then(|b| b.try_into().ok())
+            .map(i32::from_ne_bytes)
+    };
+    let stack = |v: i32| {
+        if v >= 0 {
+            StackRef::Id(v as u32)
+        } else {
+            StackRef::Err(v)
+        }
+    };
     Some(RawSample {
         tgid: u32_at(0)?,
         tid: u32_at(4)?,
@@ -178,7 +192,11 @@ pub fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
         .ok()??;
     Some(
         vals.iter()
-            .filter_map(|v| v.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_ne_bytes))
+            .filter_map(|v| {
+                v.get(..8)
+                    .and_then(|b| b.try_into().ok())
+                    .map(u64::from_ne_bytes)
+            })
             .sum(),
     )
 }

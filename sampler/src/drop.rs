@@ -38,7 +38,10 @@ pub enum DropError {
     Arch,
 }
 
-fn caps_err(cap: Option<Capability>, set: CapSet) -> impl FnOnce(caps::errors::CapsError) -> DropError {
+fn caps_err(
+    cap: Option<Capability>,
+    set: CapSet,
+) -> impl FnOnce(caps::errors::CapsError) -> DropError {
     move |source| DropError::Caps {
         cap: cap.map_or_else(|| "all".to_string(), |c| c.to_string()),
         set,
@@ -57,7 +60,8 @@ pub fn drop_capabilities() -> Result<(), DropError> {
     let keep: HashSet<Capability> = KEPT.iter().copied().collect();
     for cap in caps::all() {
         if !keep.contains(&cap) {
-            caps::drop(None, CapSet::Bounding, cap).map_err(caps_err(Some(cap), CapSet::Bounding))?;
+            caps::drop(None, CapSet::Bounding, cap)
+                .map_err(caps_err(Some(cap), CapSet::Bounding))?;
         }
     }
     // SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS off, SECBIT_NO_CAP_AMBIENT_RAISE,
@@ -93,9 +97,15 @@ pub struct FilterContext {
 /// bpf() commands the steady state uses: reading and emptying maps on held fds.
 const BPF_CMDS: &[(u64, &str)] = &[
     (1, "BPF_MAP_LOOKUP_ELEM: read stacks and per-CPU counters"),
-    (3, "BPF_MAP_DELETE_ELEM: empty the stack map of the drained set"),
+    (
+        3,
+        "BPF_MAP_DELETE_ELEM: empty the stack map of the drained set",
+    ),
     (4, "BPF_MAP_GET_NEXT_KEY: walk a map"),
-    (25, "BPF_MAP_LOOKUP_AND_DELETE_BATCH: drain the counts map of the drained set"),
+    (
+        25,
+        "BPF_MAP_LOOKUP_AND_DELETE_BATCH: drain the counts map of the drained set",
+    ),
 ];
 
 /// ioctl requests allowed: detaching perf links at exit and non-blocking fd setup.
@@ -124,7 +134,9 @@ pub fn build_filter(ctx: &FilterContext) -> Result<BpfProgram, DropError> {
     // bpf(cmd, ...): only the map commands above.
     let bpf = BPF_CMDS
         .iter()
-        .map(|&(cmd, _)| SeccompRule::new(vec![cond(0, Len::Dword, Op::Eq, cmd)?]).map_err(Into::into))
+        .map(|&(cmd, _)| {
+            SeccompRule::new(vec![cond(0, Len::Dword, Op::Eq, cmd)?]).map_err(Into::into)
+        })
         .collect::<Result<Vec<_>, DropError>>()?;
     rules.insert(libc::SYS_bpf, bpf);
     // openat(dirfd, path, flags, mode): read-only, never creating.
@@ -137,7 +149,12 @@ pub fn build_filter(ctx: &FilterContext) -> Result<BpfProgram, DropError> {
         | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
     rules.insert(
         libc::SYS_openat,
-        vec![SeccompRule::new(vec![cond(2, Len::Dword, Op::MaskedEq(WRITE_FLAGS), 0)?])?],
+        vec![SeccompRule::new(vec![cond(
+            2,
+            Len::Dword,
+            Op::MaskedEq(WRITE_FLAGS),
+            0,
+        )?])?],
     );
     // mmap/mprotect: never executable memory.
     let no_exec = |arg| -> Result<Vec<SeccompRule>, DropError> {
@@ -164,7 +181,12 @@ pub fn build_filter(ctx: &FilterContext) -> Result<BpfProgram, DropError> {
     if let Some(fd) = ctx.socket_dir_fd {
         rules.insert(
             libc::SYS_unlinkat,
-            vec![SeccompRule::new(vec![cond(0, Len::Dword, Op::Eq, fd as u64)?])?],
+            vec![SeccompRule::new(vec![cond(
+                0,
+                Len::Dword,
+                Op::Eq,
+                fd as u64,
+            )?])?],
         );
     }
     let filter = SeccompFilter::new(

@@ -51,7 +51,9 @@ pub fn fill_batch(
         b.reborrow().init_counters(len32(meta.counters.len())),
         meta.counters,
     );
-    let mut syms = b.reborrow().init_kernel_symbols(len32(round.kernel_symbols.len()));
+    let mut syms = b
+        .reborrow()
+        .init_kernel_symbols(len32(round.kernel_symbols.len()));
     for (i, s) in round.kernel_symbols.iter().enumerate() {
         // Kernel symbol names are ASCII; anything else is replaced rather than sent raw.
         syms.set(len32(i), String::from_utf8_lossy(s).as_ref());

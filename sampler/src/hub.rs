@@ -9,7 +9,9 @@ use std::rc::Rc;
 
 use tokio::sync::Notify;
 
+use crate::broker::RateLimit;
 use crate::counters::Counters;
+use crate::procfs::ProcessRecord;
 use crate::round::{Issued, RoundData};
 
 pub struct Outgoing {
@@ -21,10 +23,16 @@ pub struct Subscriber {
     pub id: u64,
     queue: RefCell<VecDeque<Outgoing>>,
     wake: Notify,
-    /// Process id → mapping version already sent to this subscriber.
-    sent: RefCell<HashMap<u64, u32>>,
+    /// Process id → the record (and its mapping version) sent to this subscriber: what
+    /// its broker requests may refer to.
+    sent: RefCell<HashMap<u64, (u32, Rc<ProcessRecord>)>>,
     pub dropped: Cell<u64>,
     closed: Cell<bool>,
+    /// Binds the broker channel to this subscription.
+    pub broker_key: [u8; 16],
+    pub channel: RefCell<Option<std::os::unix::net::UnixStream>>,
+    pub next_ticket: Cell<u64>,
+    pub rate: RefCell<RateLimit>,
 }
 
 impl Subscriber {
@@ -36,6 +44,14 @@ impl Subscriber {
 
     pub fn is_closed(&self) -> bool {
         self.closed.get()
+    }
+
+    /// The record of `process_id` at `version`, if this subscriber was sent exactly that.
+    pub fn record(&self, process_id: u64, version: u32) -> Option<Rc<ProcessRecord>> {
+        match self.sent.borrow().get(&process_id) {
+            Some((v, r)) if *v == version => Some(r.clone()),
+            _ => None,
+        }
     }
 
     /// Waits for the next batch; `None` once the subscriber is closed.
@@ -69,7 +85,7 @@ impl Hub {
         }
     }
 
-    pub fn add(&self) -> Rc<Subscriber> {
+    pub fn add(&self, broker_key: [u8; 16]) -> Rc<Subscriber> {
         self.next_id.set(self.next_id.get() + 1);
         let sub = Rc::new(Subscriber {
             id: self.next_id.get(),
@@ -78,6 +94,10 @@ impl Hub {
             sent: RefCell::new(HashMap::new()),
             dropped: Cell::new(0),
             closed: Cell::new(false),
+            broker_key,
+            channel: RefCell::new(None),
+            next_ticket: Cell::new(0),
+            rate: RefCell::new(RateLimit::default()),
         });
         self.subs.borrow_mut().push(sub.clone());
         sub
@@ -85,6 +105,20 @@ impl Hub {
 
     pub fn len(&self) -> usize {
         self.subs.borrow().len()
+    }
+
+    /// Attaches a broker channel to the open subscription holding `key`, once.
+    pub fn attach_channel(&self, key: &[u8; 16], channel: std::os::unix::net::UnixStream) -> bool {
+        let subs = self.subs.borrow();
+        let Some(sub) = subs.iter().find(|s| !s.is_closed() && &s.broker_key == key) else {
+            return false;
+        };
+        let mut slot = sub.channel.borrow_mut();
+        if slot.is_some() {
+            return false;
+        }
+        *slot = Some(channel);
+        true
     }
 
     /// Queues `round` for every open subscriber, with the process records each lacks.
@@ -99,11 +133,11 @@ impl Hub {
             let processes: Vec<Issued> = round
                 .processes
                 .iter()
-                .filter(|p| sent.get(&p.id) != Some(&p.version))
+                .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version))
                 .cloned()
                 .collect();
             for p in &processes {
-                sent.insert(p.id, p.version);
+                sent.insert(p.id, (p.version, p.record.clone()));
             }
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {

@@ -94,7 +94,10 @@ pub fn from_systemd() -> Result<Option<UnixListener>, ListenError> {
             "wrong socket type or not listening".into(),
         ));
     }
-    let _ = nix::fcntl::fcntl(&fd, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC));
+    let _ = nix::fcntl::fcntl(
+        &fd,
+        nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+    );
     Ok(Some(UnixListener::from(fd)))
 }
 

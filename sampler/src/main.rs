@@ -1,6 +1,7 @@
 //! firn-sampler: setup while privileged, then drop, confine, and run rounds.
 
 mod attach;
+mod broker;
 mod cli;
 mod counters;
 mod drain;
@@ -95,7 +96,9 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         }
     };
     if kallsyms.len() == 0 {
-        tracing::warn!("/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]");
+        tracing::warn!(
+            "/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]"
+        );
     }
 
     let mut sampling = attach::load_and_attach(args.frequency)?;
@@ -202,17 +205,27 @@ async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>, all
             Peer::Allowed { uid, pid } => {
                 if shared.connections.get() >= shared.max_connections {
                     bump(&c.connections_refused_limit);
-                    tracing::warn!(uid, pid, limit = shared.max_connections, "too many connections; refused");
+                    tracing::warn!(
+                        uid,
+                        pid,
+                        limit = shared.max_connections,
+                        "too many connections; refused"
+                    );
                     continue;
                 }
                 bump(&c.connections_accepted);
                 shared.connections.set(shared.connections.get() + 1);
                 tracing::info!(uid, pid, "client connected");
-                tokio::task::spawn_local(server::serve(stream, shared.clone()));
+                tokio::task::spawn_local(server::handle(stream, shared.clone()));
             }
             Peer::Refused { uid, gid, pid } => {
                 bump(&c.connections_refused_peer);
-                tracing::warn!(uid, gid, pid, "peer not allowed (see --allow-uid/--allow-gid); disconnected");
+                tracing::warn!(
+                    uid,
+                    gid,
+                    pid,
+                    "peer not allowed (see --allow-uid/--allow-gid); disconnected"
+                );
             }
             Peer::Unknown(e) => {
                 bump(&c.connections_peer_unknown);

@@ -32,8 +32,14 @@ pub fn check() -> Result<(), PreflightError> {
         }
     }
     for (cap, why) in [
-        (Capability::CAP_SYS_PTRACE, "read other users' /proc/<pid>/maps"),
-        (Capability::CAP_SETPCAP, "drop capabilities from the bounding set"),
+        (
+            Capability::CAP_SYS_PTRACE,
+            "read other users' /proc/<pid>/maps",
+        ),
+        (
+            Capability::CAP_SETPCAP,
+            "drop capabilities from the bounding set",
+        ),
     ] {
         if !eff.contains(&cap) {
             missing.push(format!("{cap} (to {why})"));
@@ -46,7 +52,9 @@ pub fn check() -> Result<(), PreflightError> {
         });
     }
     if !eff.contains(&Capability::CAP_SYSLOG) {
-        tracing::warn!("no CAP_SYSLOG: /proc/kallsyms hides addresses, kernel frames will be [unknown]");
+        tracing::warn!(
+            "no CAP_SYSLOG: /proc/kallsyms hides addresses, kernel frames will be [unknown]"
+        );
     }
     if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
         return Err(PreflightError::NoBtf);

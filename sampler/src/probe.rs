@@ -32,13 +32,75 @@ pub fn run() {
     // SAFETY: every call gets valid pointers to live buffers; all are expected to fail.
     let results: Vec<(&str, String)> = unsafe {
         vec![
-            ("execve", outcome(libc::syscall(libc::SYS_execve, path.as_ptr(), argv.as_ptr(), envp.as_ptr()))),
-            ("socket_inet", outcome(libc::syscall(libc::SYS_socket, libc::AF_INET, libc::SOCK_STREAM, 0))),
-            ("ptrace", outcome(libc::syscall(libc::SYS_ptrace, libc::PTRACE_ATTACH, 1, 0, 0))),
-            ("process_vm_readv", outcome(libc::syscall(libc::SYS_process_vm_readv, 1, &local, 1, &remote, 1, 0))),
-            ("bpf_prog_load", outcome(libc::syscall(libc::SYS_bpf, 5, attr.as_mut_ptr(), attr.len()))),
-            ("bpf_map_create", outcome(libc::syscall(libc::SYS_bpf, 0, attr.as_mut_ptr(), attr.len()))),
-            ("perf_event_open", outcome(libc::syscall(libc::SYS_perf_event_open, attr.as_mut_ptr(), -1, 0, -1, 0))),
+            (
+                "execve",
+                outcome(libc::syscall(
+                    libc::SYS_execve,
+                    path.as_ptr(),
+                    argv.as_ptr(),
+                    envp.as_ptr(),
+                )),
+            ),
+            (
+                "socket_inet",
+                outcome(libc::syscall(
+                    libc::SYS_socket,
+                    libc::AF_INET,
+                    libc::SOCK_STREAM,
+                    0,
+                )),
+            ),
+            (
+                "ptrace",
+                outcome(libc::syscall(
+                    libc::SYS_ptrace,
+                    libc::PTRACE_ATTACH,
+                    1,
+                    0,
+                    0,
+                )),
+            ),
+            (
+                "process_vm_readv",
+                outcome(libc::syscall(
+                    libc::SYS_process_vm_readv,
+                    1,
+                    &local,
+                    1,
+                    &remote,
+                    1,
+                    0,
+                )),
+            ),
+            (
+                "bpf_prog_load",
+                outcome(libc::syscall(
+                    libc::SYS_bpf,
+                    5,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )),
+            ),
+            (
+                "bpf_map_create",
+                outcome(libc::syscall(
+                    libc::SYS_bpf,
+                    0,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )),
+            ),
+            (
+                "perf_event_open",
+                outcome(libc::syscall(
+                    libc::SYS_perf_event_open,
+                    attr.as_mut_ptr(),
+                    -1,
+                    0,
+                    -1,
+                    0,
+                )),
+            ),
             (
                 "openat_write",
                 outcome(libc::syscall(

@@ -74,13 +74,17 @@ impl ProcessTable {
         let id = self.next_id;
         let record = match procfs::read_process(tgid, start_ns) {
             Ok(r) => {
-                counters.processes_read.set(counters.processes_read.get() + 1);
+                counters
+                    .processes_read
+                    .set(counters.processes_read.get() + 1);
                 r
             }
             Err(e) => {
                 match e {
                     ProcError::Gone { .. } | ProcError::Reused { .. } => {
-                        counters.processes_gone.set(counters.processes_gone.get() + 1);
+                        counters
+                            .processes_gone
+                            .set(counters.processes_gone.get() + 1);
                     }
                     _ => {
                         counters

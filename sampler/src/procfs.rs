@@ -73,16 +73,10 @@ fn clock_ticks() -> u64 {
 pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
-    let dir = open_proc_dir(pid)?;
+    let dir = open_verified(pid, start_ns)?;
     let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
     let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
-    let ticks = clock_ticks();
-    if parsed.start_ticks != start_ns / (1_000_000_000 / ticks) {
-        return Err(ProcError::Reused { pid });
-    }
-    let uid = fstat(dir.as_fd())
-        .map_err(|e| io_err(pid, "", e))?
-        .st_uid;
+    let uid = fstat(dir.as_fd()).map_err(|e| io_err(pid, "", e))?.st_uid;
     let exe = nix::fcntl::readlinkat(dir.as_fd(), "exe")
         .map(|p| {
             let mut b = p.into_encoded_bytes();
@@ -112,7 +106,12 @@ pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError>
 /// Reads only the executable mappings again (after a sample fell outside them).
 pub fn read_mappings(pid: u32) -> Result<Vec<Mapping>, ProcError> {
     let dir = open_proc_dir(pid)?;
-    Ok(parse_maps(&read_bounded(&dir, pid, "maps", MAX_MAPS_BYTES)?))
+    Ok(parse_maps(&read_bounded(
+        &dir,
+        pid,
+        "maps",
+        MAX_MAPS_BYTES,
+    )?))
 }
 
 /// Whether /proc/<pid> still belongs to the process that started at `start_ns`.
@@ -123,8 +122,19 @@ pub fn is_alive(pid: u32, start_ns: u64) -> bool {
     let Ok(stat) = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES) else {
         return false;
     };
-    parse_stat(&stat)
-        .is_some_and(|s| s.start_ticks == start_ns / (1_000_000_000 / clock_ticks()))
+    parse_stat(&stat).is_some_and(|s| s.start_ticks == start_ns / (1_000_000_000 / clock_ticks()))
+}
+
+/// A directory fd of /proc/<pid>, checked to belong to the process that started at
+/// `start_ns`. Everything opened through it later refers to that very process.
+pub fn open_verified(pid: u32, start_ns: u64) -> Result<OwnedFd, ProcError> {
+    let dir = open_proc_dir(pid)?;
+    let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
+    let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
+    if parsed.start_ticks != start_ns / (1_000_000_000 / clock_ticks()) {
+        return Err(ProcError::Reused { pid });
+    }
+    Ok(dir)
 }
 
 fn open_proc_dir(pid: u32) -> Result<OwnedFd, ProcError> {
@@ -279,7 +289,10 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].start, 0x55d0c0a01000);
         assert_eq!(m[0].offset, 0x1000);
-        assert_eq!((m[0].dev_major, m[0].dev_minor, m[0].inode), (0xfd, 1, 1234));
+        assert_eq!(
+            (m[0].dev_major, m[0].dev_minor, m[0].inode),
+            (0xfd, 1, 1234)
+        );
         assert_eq!(m[0].path, b"/usr/bin/a b");
         assert_eq!((m[1].dev_major, m[1].dev_minor), (0x103, 0xa));
         assert_eq!(m[1].path, b"/lib/x.so (deleted)");

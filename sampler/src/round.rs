@@ -52,6 +52,24 @@ pub struct RoundData {
 
 const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
 
+/// First address above user space. The kernel's frame-pointer walk of a user stack
+/// built without frame pointers reads arbitrary stack words; a "return address" at or
+/// above this is such garbage, and the stack is cut there (it also keeps anything that
+/// looks like a kernel address off the wire).
+#[cfg(target_arch = "x86_64")]
+const USER_SPACE_END: u64 = 1 << 47;
+#[cfg(not(target_arch = "x86_64"))]
+const USER_SPACE_END: u64 = 1 << 52;
+
+/// The plausible prefix of a user stack.
+fn user_prefix(frames: &[u64]) -> &[u64] {
+    let n = frames
+        .iter()
+        .position(|&a| a == 0 || a >= USER_SPACE_END)
+        .unwrap_or(frames.len());
+    &frames[..n]
+}
+
 fn status(r: StackRef, drained: &Drained) -> StackStatus {
     match r {
         StackRef::Id(id) if drained.stacks.contains_key(&id) => StackStatus::Ok,
@@ -83,7 +101,15 @@ pub fn assemble(
             StackRef::Id(id) => match drained.stacks.get(&id) {
                 Some(frames) => user_stacks
                     .entry(id)
-                    .or_insert_with(|| Rc::from(frames.as_slice()))
+                    .or_insert_with(|| {
+                        let kept = user_prefix(frames);
+                        if kept.len() < frames.len() {
+                            counters
+                                .user_stacks_truncated
+                                .set(counters.user_stacks_truncated.get() + 1);
+                        }
+                        Rc::from(kept)
+                    })
                     .clone(),
                 None => empty.clone(),
             },
@@ -116,20 +142,16 @@ pub fn assemble(
             },
             StackRef::Err(_) => Vec::new(),
         };
-        let process_id = table.observe(
-            raw.tgid,
-            raw.start_ns,
-            &raw.comm,
-            &user,
-            round,
-            counters,
-        );
+        let process_id = table.observe(raw.tgid, raw.start_ns, &raw.comm, &user, round, counters);
         if let Some(k) = table.get(raw.tgid).filter(|k| k.id == process_id) {
-            processes.insert(process_id, Issued {
-                id: k.id,
-                version: k.version,
-                record: k.record.clone(),
-            });
+            processes.insert(
+                process_id,
+                Issued {
+                    id: k.id,
+                    version: k.version,
+                    record: k.record.clone(),
+                },
+            );
         }
         samples.push(Sample {
             process_id,
@@ -153,5 +175,21 @@ pub fn assemble(
         samples,
         kernel_symbols: symbols,
         processes: processes.into_values().collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn user_stacks_end_at_impossible_addresses() {
+        assert_eq!(
+            super::user_prefix(&[0x401000, 0x402000]),
+            &[0x401000, 0x402000]
+        );
+        assert_eq!(
+            super::user_prefix(&[0x401000, 0xffff_ffff_ffff_ffff, 0x402000]),
+            &[0x401000]
+        );
+        assert_eq!(super::user_prefix(&[0x401000, 0, 0x402000]), &[0x401000]);
     }
 }

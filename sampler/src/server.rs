@@ -7,9 +7,10 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
-use firn_schema::firn_capnp::{batch_sink, sampler, subscription};
+use firn_schema::firn_capnp::{batch_sink, sampler, subscription, Refusal};
 use firn_schema::PROTOCOL_VERSION;
-use futures::FutureExt;
+use futures::{AsyncReadExt as _, FutureExt};
+use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
@@ -140,13 +141,24 @@ impl sampler::Server for SamplerImpl {
             }
             let sink: batch_sink::Client =
                 p.get_sink().map_err(|e| self.bad_request("subscribe", e))?;
-            let sub = self.shared.hub.add();
+            let mut key = [0u8; 16];
+            // SAFETY: getrandom writes at most key.len() bytes into key.
+            if unsafe { libc::getrandom(key.as_mut_ptr().cast(), key.len(), 0) } != 16 {
+                return Err(capnp::Error::failed(
+                    "no randomness for the broker key".into(),
+                ));
+            }
+            let sub = self.shared.hub.add(key);
             bump(&self.shared.counters.subscriptions);
             tracing::info!(subscriber = sub.id, "subscribed");
             tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
-            results
-                .get()
-                .set_subscription(capnp_rpc::new_client(SubscriptionImpl { sub }));
+            let mut r = results.get();
+            r.set_broker_key(&key);
+            r.set_subscription(capnp_rpc::new_client(SubscriptionImpl {
+                sub,
+                shared: self.shared.clone(),
+                conn: self.conn.clone(),
+            }));
             Ok(())
         })();
         std::future::ready(r)
@@ -155,9 +167,83 @@ impl sampler::Server for SamplerImpl {
 
 struct SubscriptionImpl {
     sub: Rc<Subscriber>,
+    shared: Rc<Shared>,
+    conn: Rc<Conn>,
 }
 
-impl subscription::Server for SubscriptionImpl {}
+impl SubscriptionImpl {
+    fn open(&self, process_id: u64, index: u32, version: u32) -> Result<u64, Refusal> {
+        if !self.sub.rate.borrow_mut().allow() {
+            return Err(Refusal::RateLimited);
+        }
+        let record = self
+            .sub
+            .record(process_id, version)
+            .ok_or(Refusal::UnknownProcess)?;
+        let channel = self.sub.channel.borrow();
+        let channel = channel.as_ref().ok_or(Refusal::NoBrokerChannel)?;
+        let fd = crate::broker::open_mapping(&record, index as usize)?;
+        let ticket = self.sub.next_ticket.get() + 1;
+        self.sub.next_ticket.set(ticket);
+        crate::broker::send_fd(channel, ticket, fd)?;
+        Ok(ticket)
+    }
+
+    fn count(&self, r: Refusal) {
+        let c = &self.shared.counters;
+        bump(match r {
+            Refusal::UnknownProcess | Refusal::UnknownMapping => &c.broker_refused_unknown,
+            Refusal::ProcessGone => &c.broker_refused_gone,
+            Refusal::Deleted => &c.broker_refused_deleted,
+            Refusal::NotRegularFile => &c.broker_refused_not_regular,
+            Refusal::IdentityMismatch => &c.broker_refused_identity,
+            Refusal::OpenFailed => &c.broker_refused_open,
+            Refusal::RateLimited => &c.broker_refused_rate,
+            Refusal::NoBrokerChannel | Refusal::ChannelFull => &c.broker_refused_channel,
+            Refusal::Unsupported => &c.broker_refused_unsupported,
+        });
+    }
+}
+
+impl subscription::Server for SubscriptionImpl {
+    fn open_mapping(
+        self: Rc<Self>,
+        params: subscription::OpenMappingParams,
+        mut results: subscription::OpenMappingResults,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let r = (|| {
+            let p = params.get().inspect_err(|_| {
+                bump(&self.shared.counters.bad_requests);
+                self.conn.close_soon();
+            })?;
+            let outcome = self.open(
+                p.get_process_id(),
+                p.get_mapping_index(),
+                p.get_mappings_version(),
+            );
+            let mut out = results.get().init_result();
+            match outcome {
+                Ok(ticket) => {
+                    bump(&self.shared.counters.broker_fds_sent);
+                    out.set_ticket(ticket);
+                }
+                Err(refusal) => {
+                    self.count(refusal);
+                    tracing::debug!(
+                        subscriber = self.sub.id,
+                        process_id = p.get_process_id(),
+                        mapping = p.get_mapping_index(),
+                        reason = ?refusal,
+                        "broker request refused"
+                    );
+                    out.set_refused(refusal);
+                }
+            }
+            Ok(())
+        })();
+        std::future::ready(r)
+    }
+}
 
 impl Drop for SubscriptionImpl {
     fn drop(&mut self) {
@@ -191,11 +277,56 @@ async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Cl
     }
 }
 
-/// Serves one accepted, already authorised connection until it closes.
-pub async fn serve(stream: tokio::net::UnixStream, shared: Rc<Shared>) {
+/// Time a new connection has to send its first bytes.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Handles one accepted, already authorised connection: a broker channel if it opens
+/// with the broker magic, else a Cap'n Proto RPC connection.
+pub async fn handle(mut stream: tokio::net::UnixStream, shared: Rc<Shared>) {
+    let mut first = [0u8; 8];
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_exact(&mut first)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(_)) => return done(&shared),
+        Err(_) => {
+            bump(&shared.counters.handshake_timeouts);
+            return done(&shared);
+        }
+    }
+    if &first[..] == firn_schema::firn_capnp::BROKER_MAGIC {
+        let mut key = [0u8; 16];
+        let ok = matches!(
+            tokio::time::timeout(HANDSHAKE_TIMEOUT, stream.read_exact(&mut key)).await,
+            Ok(Ok(_))
+        );
+        let attached = ok
+            && stream
+                .into_std()
+                .is_ok_and(|std| shared.hub.attach_channel(&key, std));
+        if attached {
+            bump(&shared.counters.broker_channels);
+        } else {
+            bump(&shared.counters.broker_channels_refused);
+            tracing::warn!("broker channel with an unknown or reused key; closed");
+        }
+        // The channel now lives with its subscription; it no longer counts as a
+        // connection of its own.
+        return done(&shared);
+    }
+    serve(stream, first, shared).await;
+}
+
+fn done(shared: &Shared) {
+    shared
+        .connections
+        .set(shared.connections.get().saturating_sub(1));
+}
+
+/// Serves a Cap'n Proto connection whose first 8 bytes were already read.
+async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared>) {
     let (r, w) = stream.into_split();
+    let reader = futures::io::Cursor::new(first.to_vec()).chain(r.compat());
     let mut network = twoparty::VatNetwork::new(
-        r.compat(),
+        reader,
         w.compat_write(),
         Side::Server,
         firn_schema::sampler_reader_options(),
@@ -218,5 +349,5 @@ pub async fn serve(stream: tokio::net::UnixStream, shared: Rc<Shared>) {
         }
         _ = conn.kill.notified() => {}
     }
-    shared.connections.set(shared.connections.get().saturating_sub(1));
+    done(&shared);
 }

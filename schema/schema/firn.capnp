@@ -10,10 +10,17 @@ interface Sampler {
   info @0 (protocolVersion :UInt32) -> (info :Info);
   # Describes the sampler. Fails if the caller speaks another protocol version.
 
-  subscribe @1 (protocolVersion :UInt32, sink :BatchSink) -> (subscription :Subscription);
+  subscribe @1 (protocolVersion :UInt32, sink :BatchSink)
+      -> (subscription :Subscription, brokerKey :Data);
   # Starts streaming one Batch per round to `sink`. The subscription lasts while the
-  # caller holds `subscription` (or until the connection closes).
+  # caller holds `subscription` (or until the connection closes). `brokerKey` binds a
+  # second connection, the broker channel, to this subscription: the client connects
+  # again and sends brokerMagic followed by the key; file descriptors then arrive there.
 }
+
+const brokerMagic :Data = "FIRNBRK1";
+# First bytes of a broker channel. As a Cap'n Proto segment count it is impossible, so a
+# broker channel can never be mistaken for an RPC connection.
 
 interface BatchSink {
   push @0 (batch :Batch) -> stream;
@@ -22,6 +29,35 @@ interface BatchSink {
 
 interface Subscription {
   # Held by the subscriber; dropping it ends the subscription.
+
+  openMapping @0 (processId :UInt64, mappingIndex :UInt32, mappingsVersion :UInt32)
+      -> (result :OpenResult);
+  # Asks for a read-only fd of the file behind mapping `mappingIndex` of a process record
+  # this subscription received. Identifiers only, never paths: the sampler opens the
+  # path it read itself, inside the process's root, and checks device and inode. On
+  # success the fd is sent on the broker channel in a message tagged with the ticket,
+  # before this call returns.
+}
+
+struct OpenResult {
+  union {
+    ticket @0 :UInt64;
+    refused @1 :Refusal;
+  }
+}
+
+enum Refusal {
+  unknownProcess @0;     # never sent to this subscription, or forgotten
+  unknownMapping @1;     # index out of range, or a version this subscription never saw
+  processGone @2;        # the process exited or its pid was reused
+  deleted @3;            # the mapped file was deleted or replaced since it was mapped
+  notRegularFile @4;
+  identityMismatch @5;   # device or inode differ from the mapping's
+  openFailed @6;
+  rateLimited @7;
+  noBrokerChannel @8;    # the broker channel is not connected
+  channelFull @9;        # the subscriber does not read its broker channel
+  unsupported @10;       # this kernel lacks what the broker needs (Landlock, openat2)
 }
 
 struct Info {

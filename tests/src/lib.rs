@@ -54,7 +54,9 @@ pub fn bin(name: &str) -> PathBuf {
 
 /// Compiles `tests/workloads/NAME.c` with clang (frame pointers everywhere), once.
 pub fn workload(name: &str) -> PathBuf {
-    let src = repo_root().join("tests/workloads").join(format!("{name}.c"));
+    let src = repo_root()
+        .join("tests/workloads")
+        .join(format!("{name}.c"));
     let out_dir = repo_root().join("target/workloads");
     std::fs::create_dir_all(&out_dir).expect("create target/workloads");
     let out = out_dir.join(name);
@@ -121,7 +123,14 @@ fn rand_u32() -> u32 {
 pub fn test_user(name: &str) -> (u32, u32) {
     if nix::unistd::User::from_name(name).ok().flatten().is_none() {
         let status = Command::new("useradd")
-            .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name])
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+                "--user-group",
+                name,
+            ])
             .status()
             .expect("useradd");
         assert!(status.success(), "useradd {name}");
@@ -140,7 +149,11 @@ pub struct Proc {
     pub name: String,
 }
 
-fn collect(r: impl std::io::Read + Send + 'static, into: Arc<Mutex<Vec<String>>>, echo: Option<String>) {
+fn collect(
+    r: impl std::io::Read + Send + 'static,
+    into: Arc<Mutex<Vec<String>>>,
+    echo: Option<String>,
+) {
     std::thread::spawn(move || {
         for line in BufReader::new(r).lines().map_while(Result::ok) {
             if let Some(tag) = &echo {
@@ -156,11 +169,19 @@ fn collect(r: impl std::io::Read + Send + 'static, into: Arc<Mutex<Vec<String>>>
 impl Proc {
     /// Starts `cmd`, collecting stdout lines; stderr is echoed with a tag (and kept too).
     pub fn spawn(name: &str, mut cmd: Command) -> Proc {
-        cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).stdin(Stdio::null());
-        let mut child = cmd.spawn().unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(Stdio::null());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
         let lines = Arc::new(Mutex::new(Vec::new()));
         collect(child.stdout.take().expect("stdout"), lines.clone(), None);
-        collect(child.stderr.take().expect("stderr"), lines.clone(), Some(name.to_string()));
+        collect(
+            child.stderr.take().expect("stderr"),
+            lines.clone(),
+            Some(name.to_string()),
+        );
         Proc {
             child,
             lines,
@@ -234,10 +255,14 @@ impl Drop for Proc {
 /// Starts the sampler on `socket` with extra flags; waits until it has confined itself.
 pub fn start_sampler(binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
     let mut cmd = Command::new(binary);
-    cmd.arg("--socket").arg(socket).args(extra).env("FIRN_LOG", "info");
+    cmd.arg("--socket")
+        .arg(socket)
+        .args(extra)
+        .env("FIRN_LOG", "info");
     let p = Proc::spawn("sampler", cmd);
     assert!(
-        p.wait_for("seccomp filter installed", Duration::from_secs(30)).is_some(),
+        p.wait_for("seccomp filter installed", Duration::from_secs(30))
+            .is_some(),
         "sampler did not finish setup: {:#?}",
         p.lines()
     );
@@ -300,8 +325,10 @@ pub fn counter(batch: &Value, name: &str) -> Option<u64> {
 /// A field of /proc/<pid>/status, e.g. `VmRSS` (value text without the name).
 pub fn status_field(pid: u32, field: &str) -> Option<String> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{field}:")).map(|v| v.trim().to_string()))
+    text.lines().find_map(|l| {
+        l.strip_prefix(&format!("{field}:"))
+            .map(|v| v.trim().to_string())
+    })
 }
 
 /// Resident memory of `pid` in KiB.

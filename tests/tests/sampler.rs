@@ -14,10 +14,14 @@ fn ncpus() -> u64 {
 }
 
 /// Samples of `pid` in one batch.
-fn samples_of<'a>(batch: &'a Value, pid: u64) -> Vec<&'a Value> {
+fn samples_of(batch: &Value, pid: u64) -> Vec<&Value> {
     batch["samples"]
         .as_array()
-        .map(|s| s.iter().filter(|s| s["pid"].as_u64() == Some(pid)).collect())
+        .map(|s| {
+            s.iter()
+                .filter(|s| s["pid"].as_u64() == Some(pid))
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -45,7 +49,10 @@ fn sampling_end_to_end() {
         ],
     );
     let dump = start_dump(&sock, Some((uid, gid)), &[]);
-    assert!(dump.wait_for("\"connected\"", 10 * SECS).is_some(), "no connection");
+    assert!(
+        dump.wait_for("\"connected\"", 10 * SECS).is_some(),
+        "no connection"
+    );
     let exe = workload("busy");
     let t_start = now_ns();
     let mut w = start_workload(&exe, &["9"]);
@@ -71,7 +78,10 @@ fn sampling_end_to_end() {
         .filter(|m| m["path"].as_str() == Some(exe_str.as_str()))
         .map(|m| (m["start"].as_u64().unwrap(), m["end"].as_u64().unwrap()))
         .collect();
-    assert!(!maps.is_empty(), "workload's executable mapping missing: {record}");
+    assert!(
+        !maps.is_empty(),
+        "workload's executable mapping missing: {record}"
+    );
     let in_exe = |a: u64| maps.iter().any(|&(s, e)| a >= s && a < e);
 
     // Stacks: depth >= 4 with addresses inside the executable.
@@ -97,23 +107,37 @@ fn sampling_end_to_end() {
         "only {deep} of {total} samples have >= 4 frames inside the executable"
     );
 
-    // Counts: rounds entirely inside the workload's life, ±15% of Hz × s × CPUs.
-    let mut checked = 0;
+    // Counts: all of the workload's samples against Hz × the CPU seconds it was busy
+    // (its own getrusage), which is "seconds × busy CPUs" even when the machine is shared.
+    let cpu: f64 = w
+        .lines()
+        .iter()
+        .find_map(|l| {
+            l.strip_prefix("cpu_seconds ")
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .expect("workload reports its CPU time");
+    let expected = freq as f64 * cpu;
+    assert!(
+        (total as f64 - expected).abs() <= expected * 0.15,
+        "{total} samples, expected {expected:.0} ± 15% ({freq} Hz × {cpu:.2} CPU s)"
+    );
+    // And rounds entirely inside the workload's run are each near Hz × s × CPUs when the
+    // workload had the CPUs to itself (reported, not asserted: CI machines are shared).
     for b in &batches {
-        let (s, e) = (b["start_time_ns"].as_u64().unwrap(), b["end_time_ns"].as_u64().unwrap());
-        if s < t_start + 300_000_000 || e > t_end {
-            continue;
-        }
-        let got: u64 = samples_of(b, pid).iter().map(|s| s["count"].as_u64().unwrap()).sum();
-        let expected = freq as f64 * ((e - s) as f64 / 1e9) * ncpus() as f64;
-        assert!(
-            (got as f64 - expected).abs() <= expected * 0.15,
-            "round {}: {got} samples, expected {expected:.0} ± 15%",
-            b["round"]
+        let (s, e) = (
+            b["start_time_ns"].as_u64().unwrap(),
+            b["end_time_ns"].as_u64().unwrap(),
         );
-        checked += 1;
+        if s >= t_start + 300_000_000 && e <= t_end {
+            let got: u64 = samples_of(b, pid)
+                .iter()
+                .map(|s| s["count"].as_u64().unwrap())
+                .sum();
+            let nominal = freq as f64 * ((e - s) as f64 / 1e9) * ncpus() as f64;
+            eprintln!("round {}: {got} samples, nominal {nominal:.0}", b["round"]);
+        }
     }
-    assert!(checked >= 2, "fewer than two full rounds inside the workload's run");
     sampler.stop();
 }
 
@@ -124,7 +148,11 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
     }
     let dir = TempDir::new("kern");
     let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--frequency", "99", "--round", "1"]);
+    let mut sampler = start_sampler(
+        &bin("firn-sampler"),
+        &sock,
+        &["--frequency", "99", "--round", "1"],
+    );
     let dump = start_dump(&sock, None, &[]);
     assert!(dump.wait_for("\"connected\"", 10 * SECS).is_some());
     let mut w = start_workload(&workload("syscalls"), &["4"]);
@@ -147,9 +175,9 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
         }
     }
     assert!(
-        names
-            .iter()
-            .any(|n| n.starts_with("__x64_sys_") || n.starts_with("entry_SYSCALL_64") || n == "do_syscall_64"),
+        names.iter().any(|n| n.starts_with("__x64_sys_")
+            || n.starts_with("entry_SYSCALL_64")
+            || n == "do_syscall_64"),
         "no syscall entry names among {names:?}"
     );
     // Every integer of every message received, at any depth.
@@ -172,7 +200,11 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
         let v: Value = serde_json::from_str(line).unwrap();
         walk(&v, &mut bad);
     }
-    assert!(bad.is_empty(), "kernel-half integers on the wire: {:x?}", &bad[..bad.len().min(5)]);
+    assert!(
+        bad.is_empty(),
+        "kernel-half integers on the wire: {:x?}",
+        &bad[..bad.len().min(5)]
+    );
     sampler.stop();
 }
 
@@ -185,7 +217,16 @@ fn cap_fields(pid: u32) -> Vec<(String, Vec<(String, String)>)> {
             .lines()
             .filter_map(|l| l.split_once(':'))
             .filter(|(k, _)| {
-                ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp"].contains(k)
+                [
+                    "CapInh",
+                    "CapPrm",
+                    "CapEff",
+                    "CapBnd",
+                    "CapAmb",
+                    "NoNewPrivs",
+                    "Seccomp",
+                ]
+                .contains(k)
             })
             .map(|(k, v)| (k.to_string(), v.trim().to_string()))
             .collect();
@@ -253,15 +294,20 @@ fn forbidden_syscalls_are_refused() {
     for name in expected {
         let line = lines
             .iter()
-            .find(|l| l.contains("forbidden syscall probe") && l.contains(&format!("syscall=\"{name}\"")))
+            .find(|l| {
+                l.contains("forbidden syscall probe") && l.contains(&format!("syscall=\"{name}\""))
+            })
             .unwrap_or_else(|| panic!("no probe result for {name}: {lines:#?}"));
         // The filter's designed answer is EPERM (sampler/README.md).
-        assert!(line.contains("outcome=EPERM"), "{name} was not refused with EPERM: {line}");
+        assert!(
+            line.contains("outcome=EPERM"),
+            "{name} was not refused with EPERM: {line}"
+        );
     }
     assert!(!target.exists(), "the probe created a file");
     // Still alive and serving after the attempts.
     let dump = start_dump(&sock, None, &[]);
-    assert!(wait_batches(&dump, 1, 10 * SECS).len() >= 1);
+    assert!(!wait_batches(&dump, 1, 10 * SECS).is_empty());
     sampler.stop();
 }
 
@@ -287,7 +333,10 @@ fn peer_credentials_are_checked() {
         "denied peer not logged"
     );
     std::thread::sleep(2 * SECS);
-    assert!(batches(&denied).is_empty(), "a denied peer received batches");
+    assert!(
+        batches(&denied).is_empty(),
+        "a denied peer received batches"
+    );
     denied.stop();
     let allowed = start_dump(&sock, Some((uid, gid)), &[]);
     let got = wait_batches(&allowed, 2, 10 * SECS);
@@ -304,10 +353,12 @@ fn socket_activation_by_systemd() {
     let dir = TempDir::new("sa");
     let sock = dir.path().join("act.sock");
     let mut cmd = Command::new("systemd-socket-activate");
-    cmd.arg("-l")
-        .arg(&sock)
-        .arg(bin("firn-sampler"))
-        .args(["--round", "1", "--socket", "/nonexistent/ignored.sock"]);
+    cmd.arg("-l").arg(&sock).arg(bin("firn-sampler")).args([
+        "--round",
+        "1",
+        "--socket",
+        "/nonexistent/ignored.sock",
+    ]);
     let mut act = Proc::spawn("socket-activate", cmd);
     // Wait for the socket file, then connect: systemd-socket-activate starts the sampler.
     let t0 = std::time::Instant::now();
@@ -316,8 +367,15 @@ fn socket_activation_by_systemd() {
     }
     let dump = start_dump(&sock, None, &[]);
     let got = wait_batches(&dump, 2, 30 * SECS);
-    assert!(got.len() >= 2, "no batches through the activated socket: {:#?}", act.lines());
-    assert!(act.lines().iter().any(|l| l.contains("using the socket passed by systemd")));
+    assert!(
+        got.len() >= 2,
+        "no batches through the activated socket: {:#?}",
+        act.lines()
+    );
+    assert!(act
+        .lines()
+        .iter()
+        .any(|l| l.contains("using the socket passed by systemd")));
     act.stop();
 }
 
@@ -357,10 +415,16 @@ fn slow_absent_and_returning_subscribers() {
     );
     assert!(counter(last, "batches_dropped").unwrap() >= 1);
     // Bound: queue of 2 batches plus in-flight data; far below this on any machine.
-    assert!(peak < 64 * 1024, "sampler RSS {peak} KiB while a subscriber stalled (idle {rss_idle} KiB)");
+    assert!(
+        peak < 64 * 1024,
+        "sampler RSS {peak} KiB while a subscriber stalled (idle {rss_idle} KiB)"
+    );
     // Rounds keep being numbered in order, none twice.
     let rounds: Vec<u64> = got.iter().map(|b| b["round"].as_u64().unwrap()).collect();
-    assert!(rounds.windows(2).all(|w| w[0] < w[1]), "rounds out of order: {rounds:?}");
+    assert!(
+        rounds.windows(2).all(|w| w[0] < w[1]),
+        "rounds out of order: {rounds:?}"
+    );
     drop(slow);
     // A returning client receives the following rounds.
     let again = start_dump(&sock, None, &[]);
@@ -376,8 +440,14 @@ fn clear_errors_for_bad_setup() {
         return;
     }
     let run = |args: &[&str]| {
-        let out = Command::new(bin("firn-sampler")).args(args).output().unwrap();
-        (out.status.code(), String::from_utf8_lossy(&out.stderr).to_string())
+        let out = Command::new(bin("firn-sampler"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
     };
     let (code, err) = run(&["--frequency", "0"]);
     assert_eq!(code, Some(2));
@@ -401,23 +471,37 @@ fn clear_errors_for_bad_setup() {
     // Not root: the missing capabilities are named.
     let (uid, gid) = test_user("firn-test");
     let out = Command::new("setpriv")
-        .args([&format!("--reuid={uid}"), &format!("--regid={gid}"), "--clear-groups"])
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={gid}"),
+            "--clear-groups",
+        ])
         .arg(bin("firn-sampler"))
         .args(["--socket", "/tmp/never.sock"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
-    assert!(err.contains("CAP_BPF") && err.contains("CAP_PERFMON"), "{err}");
+    assert!(
+        err.contains("CAP_BPF") && err.contains("CAP_PERFMON"),
+        "{err}"
+    );
 
     // Protocol mismatch: clear on both sides.
     let sock = dir.path().join("v.sock");
     let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &[]);
     let mut client = start_dump(&sock, None, &["--protocol-version", "99"]);
-    let status = client.wait_exit(10 * SECS).expect("client exits on mismatch");
+    let status = client
+        .wait_exit(10 * SECS)
+        .expect("client exits on mismatch");
     assert!(!status.success());
-    assert!(client.lines().iter().any(|l| l.contains("protocol version mismatch")));
-    assert!(sampler.wait_for("another protocol version", 5 * SECS).is_some());
+    assert!(client
+        .lines()
+        .iter()
+        .any(|l| l.contains("protocol version mismatch")));
+    assert!(sampler
+        .wait_for("another protocol version", 5 * SECS)
+        .is_some());
     // And the sampler keeps serving others.
     let ok = start_dump(&sock, None, &[]);
     assert!(ok.wait_for("\"connected\"", 10 * SECS).is_some());

@@ -8,7 +8,11 @@ use firn_tests::*;
 fn systemd_units_verify() {
     let dir = TempDir::new("units");
     let bins = repo_root().join("target/release");
-    for unit in ["firn-sampler.socket", "firn-sampler.service", "firn-enricher.service"] {
+    for unit in [
+        "firn-sampler.socket",
+        "firn-sampler.service",
+        "firn-enricher.service",
+    ] {
         let text = std::fs::read_to_string(repo_root().join("systemd").join(unit)).unwrap();
         // Point ExecStart at the freshly built binaries: verify checks that they exist.
         let text = text.replace("/usr/local/bin/", &format!("{}/", bins.display()));
@@ -19,10 +23,20 @@ fn systemd_units_verify() {
     }
     let out = Command::new("systemd-analyze")
         .arg("verify")
-        .args(["firn-sampler.socket", "firn-sampler.service", "firn-enricher.service"].map(|u| dir.path().join(u)))
+        .args(
+            [
+                "firn-sampler.socket",
+                "firn-sampler.service",
+                "firn-enricher.service",
+            ]
+            .map(|u| dir.path().join(u)),
+        )
         .output()
         .expect("systemd-analyze (package systemd)");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "systemd-analyze verify failed: {err}");
-    assert!(err.trim().is_empty(), "systemd-analyze verify warned: {err}");
+    assert!(
+        err.trim().is_empty(),
+        "systemd-analyze verify warned: {err}"
+    );
 }

@@ -2,6 +2,7 @@
 // One thread per online CPU (main's thread included), for argv[1] seconds.
 // Built with clang -O2 -fno-omit-frame-pointer -mno-omit-leaf-frame-pointer.
 #include <pthread.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -73,5 +74,9 @@ int main(int argc, char **argv)
 	}
 	/* Throughput, for the benchmarks: calls of middle() per second, all threads. */
 	printf("iterations_per_second %.1f\n", total / (now() - t0 + 1e-9));
+	struct rusage ru;
+	getrusage(RUSAGE_SELF, &ru);
+	printf("cpu_seconds %.3f\n", ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 +
+					 ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6);
 	return 0;
 }

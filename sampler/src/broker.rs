@@ -1,0 +1,257 @@
+//! The binary broker: opens the file behind a mapping the sampler itself recorded and
+//! passes a read-only fd to the subscriber over its broker channel (SCM_RIGHTS).
+//!
+//! The request names a process record and a mapping index, never a path. The path is
+//! the one this sampler read from /proc/<pid>/maps; it is resolved inside the process's
+//! own root, starting from a directory fd of /proc/<pid>/root, so an absolute symlink in
+//! a container cannot reach a host file. The file is opened read-only and must be a
+//! regular file with the mapping's device and inode.
+//!
+//! The resolution is `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` done one component
+//! at a time in user space: every step is an `openat(O_PATH | O_NOFOLLOW)` relative to a
+//! held directory fd, symlinks are read and re-rooted at the process's root, `..` never
+//! climbs above it, and magic links are read as plain paths. Why not openat2 itself:
+//! seccomp cannot see its flags (they sit behind a pointer), so allowing it would allow
+//! opening for writing; Landlock could forbid that, but a Landlocked process loses
+//! ptrace-read access to the /proc of every process outside its domain, which the
+//! sampler needs. `openat`'s flags are a register seccomp checks.
+
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixStream;
+
+use firn_schema::firn_capnp::Refusal;
+use nix::fcntl::{openat, OFlag};
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use nix::sys::stat::{fstat, Mode, SFlag};
+
+use crate::procfs::{self, ProcError, ProcessRecord};
+
+/// Opens mapping `index` of `record`, checking that it is still the file that was mapped.
+pub fn open_mapping(record: &ProcessRecord, index: usize) -> Result<OwnedFd, Refusal> {
+    let m = record.mappings.get(index).ok_or(Refusal::UnknownMapping)?;
+    if m.path.ends_with(b" (deleted)") {
+        return Err(Refusal::Deleted);
+    }
+    if m.path.first() != Some(&b'/') {
+        return Err(Refusal::NotRegularFile);
+    }
+    let dir = procfs::open_verified(record.pid, record.start_ns).map_err(|e| match e {
+        ProcError::Gone { .. } | ProcError::Reused { .. } => Refusal::ProcessGone,
+        _ => Refusal::OpenFailed,
+    })?;
+    let root = openat(
+        dir.as_fd(),
+        "root",
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|_| Refusal::ProcessGone)?;
+    let fd = open_in_root(&root, &m.path)?;
+    let st = fstat(fd.as_fd()).map_err(|_| Refusal::OpenFailed)?;
+    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return Err(Refusal::NotRegularFile);
+    }
+    let dev = libc::makedev(m.dev_major, m.dev_minor);
+    if st.st_dev != dev || st.st_ino != m.inode {
+        return Err(Refusal::IdentityMismatch);
+    }
+    Ok(fd)
+}
+
+/// Symlinks followed at most while resolving one path (the kernel's MAXSYMLINKS).
+const MAX_LINKS: u32 = 40;
+/// Components walked at most, symlink expansions included.
+const MAX_STEPS: u32 = 4096;
+
+fn open_err(e: nix::errno::Errno) -> Refusal {
+    match e {
+        nix::errno::Errno::ENOENT | nix::errno::Errno::ENOTDIR => Refusal::Deleted,
+        _ => Refusal::OpenFailed,
+    }
+}
+
+/// Opens `path` read-only as if `root` were `/`, following symlinks within it.
+pub fn open_in_root(root: &OwnedFd, path: &[u8]) -> Result<OwnedFd, Refusal> {
+    // Directories walked so far; empty means "at root". `..` pops, never past root.
+    let mut dirs: Vec<OwnedFd> = Vec::new();
+    let mut pending: std::collections::VecDeque<Vec<u8>> = components(path).collect();
+    let (mut links, mut steps) = (0u32, 0u32);
+    while let Some(comp) = pending.pop_front() {
+        steps += 1;
+        if steps > MAX_STEPS {
+            return Err(Refusal::OpenFailed);
+        }
+        if comp == b".." {
+            dirs.pop();
+            continue;
+        }
+        let cur = dirs.last().unwrap_or(root);
+        let name = std::ffi::OsStr::from_bytes(&comp);
+        let fd = openat(
+            cur.as_fd(),
+            name,
+            OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(open_err)?;
+        let kind =
+            SFlag::from_bits_truncate(fstat(fd.as_fd()).map_err(open_err)?.st_mode) & SFlag::S_IFMT;
+        if kind == SFlag::S_IFLNK {
+            links += 1;
+            if links > MAX_LINKS {
+                return Err(Refusal::OpenFailed);
+            }
+            let target = nix::fcntl::readlinkat(cur.as_fd(), name).map_err(open_err)?;
+            let target = target.as_bytes();
+            if target.first() == Some(&b'/') {
+                dirs.clear();
+            }
+            for c in components(target).collect::<Vec<_>>().into_iter().rev() {
+                pending.push_front(c);
+            }
+            continue;
+        }
+        if pending.is_empty() {
+            // The last component, reopened for reading; O_NOFOLLOW refuses a symlink
+            // swapped in since the check above.
+            return openat(
+                cur.as_fd(),
+                name,
+                OFlag::O_RDONLY
+                    | OFlag::O_NOFOLLOW
+                    | OFlag::O_CLOEXEC
+                    | OFlag::O_NOCTTY
+                    | OFlag::O_NONBLOCK,
+                Mode::empty(),
+            )
+            .map_err(open_err);
+        }
+        if kind != SFlag::S_IFDIR {
+            return Err(Refusal::Deleted);
+        }
+        dirs.push(fd);
+    }
+    // The path named the root itself (or only `..`): not a file.
+    Err(Refusal::NotRegularFile)
+}
+
+fn components(path: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
+    path.split(|&b| b == b'/')
+        .filter(|c| !c.is_empty() && *c != b".")
+        .map(<[u8]>::to_vec)
+}
+
+/// Sends `fd` tagged with `ticket` without blocking. The sampler's copy closes on return.
+pub fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Refusal> {
+    let mut msg = [0u8; 16];
+    msg[..8].copy_from_slice(&ticket.to_le_bytes());
+    let iov = [IoSlice::new(&msg)];
+    let fds = [fd.as_raw_fd()];
+    match sendmsg::<()>(
+        channel.as_raw_fd(),
+        &iov,
+        &[ControlMessage::ScmRights(&fds)],
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL,
+        None,
+    ) {
+        Ok(n) if n == msg.len() => Ok(()),
+        Ok(_) => Err(Refusal::ChannelFull),
+        Err(nix::errno::Errno::EAGAIN) => Err(Refusal::ChannelFull),
+        Err(_) => Err(Refusal::NoBrokerChannel),
+    }
+}
+
+/// Token bucket bounding broker requests per subscriber.
+pub struct RateLimit {
+    tokens: f64,
+    last: std::time::Instant,
+}
+
+/// Sustained opens per second and burst per subscriber.
+const RATE: f64 = 200.0;
+const BURST: f64 = 2_000.0;
+
+impl Default for RateLimit {
+    fn default() -> Self {
+        Self {
+            tokens: BURST,
+            last: std::time::Instant::now(),
+        }
+    }
+}
+
+impl RateLimit {
+    pub fn allow(&mut self) -> bool {
+        let now = std::time::Instant::now();
+        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * RATE).min(BURST);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn root_of(dir: &std::path::Path) -> OwnedFd {
+        nix::fcntl::open(dir, OFlag::O_PATH | OFlag::O_DIRECTORY, Mode::empty()).unwrap()
+    }
+
+    fn ino(fd: &OwnedFd) -> u64 {
+        fstat(fd.as_fd()).unwrap().st_ino
+    }
+
+    #[test]
+    fn symlinks_resolve_inside_the_root() {
+        let base = std::env::temp_dir().join(format!("firn-broker-{}", std::process::id()));
+        let root = base.join("root");
+        std::fs::create_dir_all(root.join("lib/sub")).unwrap();
+        std::fs::write(root.join("lib/real.so"), b"inside").unwrap();
+        std::fs::write(base.join("outside.so"), b"outside").unwrap();
+        // Absolute symlink: means /lib/real.so of the root, not of the host.
+        symlink("/lib/real.so", root.join("lib/abs.so")).unwrap();
+        // Relative with too many `..`: clamps at the root.
+        symlink("../../../../lib/real.so", root.join("lib/sub/up.so")).unwrap();
+        // A host path that does not exist inside the root.
+        symlink(base.join("outside.so"), root.join("lib/host.so")).unwrap();
+        symlink("loop", root.join("lib/loop")).unwrap();
+        let r = root_of(&root);
+        let real = std::fs::metadata(root.join("lib/real.so")).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(ino(&open_in_root(&r, b"/lib/real.so").unwrap()), real.ino());
+        assert_eq!(ino(&open_in_root(&r, b"/lib/abs.so").unwrap()), real.ino());
+        assert_eq!(
+            ino(&open_in_root(&r, b"/lib/sub/up.so").unwrap()),
+            real.ino()
+        );
+        assert_eq!(
+            ino(&open_in_root(&r, b"/../../lib/./real.so").unwrap()),
+            real.ino()
+        );
+        assert!(matches!(
+            open_in_root(&r, b"/lib/host.so"),
+            Err(Refusal::Deleted)
+        ));
+        assert!(matches!(
+            open_in_root(&r, b"/lib/loop"),
+            Err(Refusal::OpenFailed)
+        ));
+        assert!(matches!(
+            open_in_root(&r, b"/"),
+            Err(Refusal::NotRegularFile)
+        ));
+        assert!(matches!(
+            open_in_root(&r, b"/lib/real.so/x"),
+            Err(Refusal::Deleted)
+        ));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}
