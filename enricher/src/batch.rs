@@ -80,6 +80,7 @@ pub struct Batch {
     pub samples: Vec<Sample>,
     pub kernel_symbols: Vec<String>,
     pub counters: Vec<(String, u64)>,
+    pub forgotten_processes: Vec<u64>,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -195,7 +196,14 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
             kernel_stack: stack(s.get_kernel_stack()),
         });
     }
+    let forgotten = b.get_forgotten_processes()?;
+    check(
+        "forgotten processes",
+        forgotten.len(),
+        limits::MAX_PROCESSES,
+    )?;
     Ok(Batch {
+        forgotten_processes: forgotten.iter().collect(),
         session_id: b.get_session_id(),
         round: b.get_round(),
         start_time_ns: b.get_start_time_ns(),

@@ -2,9 +2,9 @@
 //! protocol version, subscribe, and hand decoded batches to the rest of the enricher.
 //! A sampler restart only costs a reconnect.
 
-use std::cell::Cell;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Duration;
 
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
@@ -13,6 +13,8 @@ use tokio::sync::mpsc;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
 use crate::batch::{self, Batch};
+use crate::broker::Broker;
+use crate::metrics::Metrics;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
@@ -35,23 +37,15 @@ pub struct SamplerInfo {
 }
 
 pub enum Event {
-    Connected(SamplerInfo),
+    /// A session started; `broker` is absent when its channel could not be opened.
+    Connected(SamplerInfo, Option<Rc<Broker>>),
     Batch(Batch),
     Disconnected,
 }
 
-#[derive(Default)]
-pub struct ClientCounters {
-    pub connects: Cell<u64>,
-    pub connect_failures: Cell<u64>,
-    pub disconnects: Cell<u64>,
-    pub batches_received: Cell<u64>,
-    pub batches_rejected: Cell<u64>,
-}
-
 struct Sink {
     tx: mpsc::Sender<Event>,
-    counters: Rc<ClientCounters>,
+    metrics: Arc<Metrics>,
 }
 
 impl batch_sink::Server for Sink {
@@ -67,15 +61,13 @@ impl batch_sink::Server for Sink {
         async move {
             match decoded {
                 Ok(b) => {
-                    let c = &self.counters.batches_received;
-                    c.set(c.get() + 1);
+                    Metrics::inc(&self.metrics.batches_received);
                     // Awaiting here is the flow control: a busy enricher slows the
                     // stream, and the sampler's bounded queue absorbs the rest.
                     let _ = self.tx.send(Event::Batch(b)).await;
                 }
                 Err(e) => {
-                    let c = &self.counters.batches_rejected;
-                    c.set(c.get() + 1);
+                    Metrics::inc(&self.metrics.batches_rejected);
                     tracing::warn!(error = %e, "batch rejected");
                 }
             }
@@ -90,29 +82,27 @@ pub async fn run(
     socket: PathBuf,
     version: u32,
     tx: mpsc::Sender<Event>,
-    counters: Rc<ClientCounters>,
+    metrics: Arc<Metrics>,
 ) -> ClientError {
     let mut backoff = FIRST_BACKOFF;
     let mut logged_down = false;
     loop {
         match tokio::net::UnixStream::connect(&socket).await {
             Ok(stream) => {
-                counters.connects.set(counters.connects.get() + 1);
+                Metrics::inc(&metrics.connects);
                 logged_down = false;
-                match session(stream, version, &tx, &counters).await {
+                match session(stream, &socket, version, &tx, &metrics).await {
                     Ok(()) => backoff = FIRST_BACKOFF,
                     Err(SessionEnd::Fatal(e)) => return e,
                     Err(SessionEnd::Other(msg)) => {
                         tracing::warn!(error = %msg, "sampler connection ended");
                     }
                 }
-                counters.disconnects.set(counters.disconnects.get() + 1);
+                Metrics::inc(&metrics.disconnects);
                 let _ = tx.send(Event::Disconnected).await;
             }
             Err(e) => {
-                counters
-                    .connect_failures
-                    .set(counters.connect_failures.get() + 1);
+                Metrics::inc(&metrics.connect_failures);
                 if !logged_down {
                     tracing::warn!(socket = %socket.display(), error = %e, "cannot reach the sampler; retrying with backoff");
                     logged_down = true;
@@ -131,9 +121,10 @@ enum SessionEnd {
 
 async fn session(
     stream: tokio::net::UnixStream,
+    socket: &Path,
     version: u32,
     tx: &mpsc::Sender<Event>,
-    counters: &Rc<ClientCounters>,
+    metrics: &Arc<Metrics>,
 ) -> Result<(), SessionEnd> {
     let (r, w) = stream.into_split();
     let network = twoparty::VatNetwork::new(
@@ -195,21 +186,28 @@ async fn session(
         round_seconds = sampler_info.round_seconds,
         "connected to the sampler"
     );
-    let _ = tx.send(Event::Connected(sampler_info)).await;
-
     let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
         tx: tx.clone(),
-        counters: counters.clone(),
+        metrics: metrics.clone(),
     });
     let mut sub = client.subscribe_request();
     sub.get().set_protocol_version(version);
     sub.get().set_sink(sink);
     let subscribed = sub.send().promise.await.map_err(other)?;
+    let results = subscribed.get().map_err(other)?;
     // Holding the subscription keeps it alive until the connection ends.
-    let _subscription = subscribed
-        .get()
-        .and_then(|r| r.get_subscription())
-        .map_err(other)?;
+    let subscription = results.get_subscription().map_err(other)?;
+    let key = results.get_broker_key().map_err(other)?;
+    let broker = match Broker::connect(socket, subscription.clone(), key).await {
+        Ok(b) => Some(Rc::new(b)),
+        Err(e) => {
+            tracing::warn!(error = %e, "no broker channel: user frames stay unsymbolized");
+            None
+        }
+    };
+    // Announced before any batch can be handled: batches wait in the channel meanwhile.
+    let _ = tx.send(Event::Connected(sampler_info, broker)).await;
+    let _subscription = subscription;
     match done.await {
         Ok(Ok(())) => Err(SessionEnd::Other("sampler closed the connection".into())),
         Ok(Err(e)) => Err(other(e)),

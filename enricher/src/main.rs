@@ -1,50 +1,37 @@
-//! firn-enricher: the unprivileged half. For now it subscribes to the sampler and
-//! prints what it receives: a per-round summary, or every batch as JSON (`--dump`).
+//! firn-enricher: subscribes to the sampler, symbolizes, encodes pprof, writes the
+//! local sink and serves HTTP. Unprivileged by design.
 
 mod batch;
+mod broker;
+mod cli;
 mod client;
+mod enrich;
+mod http;
+mod metrics;
+mod processes;
+mod profile;
+mod sinks;
 mod summary;
+mod symbolize;
 
-use std::path::PathBuf;
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use clap::Parser;
 use tokio::sync::mpsc;
 
-/// firn's unprivileged half: connects to firn-sampler's Unix socket, subscribes, and
-/// turns the stream of raw stacks and process records into readable output.
-#[derive(Debug, Parser)]
-#[command(name = "firn-enricher", version, about, long_about)]
-struct Args {
-    /// The sampler's socket.
-    #[arg(long, env = "FIRN_SOCKET", default_value = "/run/firn/sampler.sock")]
-    socket: PathBuf,
-
-    /// Print every batch as one JSON line on stdout instead of a per-round summary.
-    #[arg(long)]
-    dump: bool,
-
-    /// Kernel symbols listed in the per-round summary.
-    #[arg(long, default_value_t = 5)]
-    top: usize,
-
-    /// Allow running as uid 0. The enricher parses untrusted input (binaries, metadata,
-    /// server replies) and needs no privilege, so root is refused by default.
-    #[arg(long)]
-    allow_root: bool,
-
-    /// Protocol version to announce (tests of the mismatch path only).
-    #[arg(long, hide = true, default_value_t = firn_schema::PROTOCOL_VERSION)]
-    protocol_version: u32,
-
-    /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, env = "FIRN_LOG", default_value = "info")]
-    log: String,
-}
+use crate::broker::Broker;
+use crate::client::Event;
+use crate::enrich::{Enricher, Round};
+use crate::metrics::Metrics;
+use crate::profile::LabelSet;
+use crate::sinks::local::{Item, LocalSink, Settings};
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = cli::Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
@@ -60,6 +47,7 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    raise_fd_limit();
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -74,14 +62,22 @@ fn main() -> ExitCode {
     local.block_on(&rt, run(args))
 }
 
-async fn run(args: Args) -> ExitCode {
+/// Each cached binary holds an fd: take the hard limit as the soft one.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+}
+
+async fn run(args: cli::Args) -> ExitCode {
+    let metrics = Arc::new(Metrics::default());
     let (tx, mut rx) = mpsc::channel(4);
-    let counters = Rc::new(client::ClientCounters::default());
     let mut client = tokio::task::spawn_local(client::run(
         args.socket.clone(),
         args.protocol_version,
         tx,
-        counters,
+        metrics.clone(),
     ));
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
@@ -90,20 +86,150 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let mut out = summary::Printer::new(args.dump, args.top);
+    let http = http::Shared::new(metrics.clone());
+    let mut pipeline = if args.dump {
+        None
+    } else {
+        match tokio::net::TcpListener::bind(args.http_address).await {
+            Ok(listener) => {
+                let app = http::router(http.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        tracing::error!(error = %e, "HTTP server stopped");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::error!(address = %args.http_address, error = %e, "cannot serve HTTP (use --http-address)");
+                return ExitCode::FAILURE;
+            }
+        }
+        let sink = LocalSink::new(
+            Settings {
+                dir: args.output_dir.clone(),
+                max_bytes: args.retention_size,
+                max_age: args.retention_age,
+                min_free_bytes: args.min_free,
+            },
+            metrics.clone(),
+        );
+        tracing::info!(
+            output_dir = %args.output_dir.display(),
+            http = %format!("http://{}/", args.http_address),
+            "writing profiles"
+        );
+        let symbolizer = symbolize::Symbolizer::new(args.symbol_cache as usize, metrics.clone());
+        Some((
+            Enricher::new(
+                symbolizer,
+                metrics.clone(),
+                args.node.clone().unwrap_or_default(),
+            ),
+            sink,
+        ))
+    };
+    let mut printer = summary::Printer::new(true, 5);
+    let mut broker: Option<Rc<Broker>> = None;
     loop {
-        tokio::select! {
+        let ev = tokio::select! {
             ev = rx.recv() => match ev {
-                Some(ev) => out.event(&ev),
+                Some(ev) => ev,
                 // The client only ends on a fatal error; report it below.
                 None => return fatal(client.await),
             },
             res = &mut client => return fatal(res),
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
+        };
+        let Some((enricher, sink)) = pipeline.as_mut() else {
+            printer.event(&ev);
+            continue;
+        };
+        match ev {
+            Event::Connected(info, b) => {
+                enricher.set_node(&info.node);
+                if let Ok(mut g) = http.inner.lock() {
+                    g.round_seconds = info.round_seconds;
+                }
+                broker = b;
+            }
+            Event::Disconnected => broker = None,
+            Event::Batch(batch) => {
+                Metrics::add(
+                    &metrics.batches_dropped_upstream,
+                    batch.dropped_batches.saturating_sub(last_dropped(&metrics)),
+                );
+                if let Ok(mut s) = metrics.sampler.lock() {
+                    *s = batch.counters.clone();
+                }
+                let round = enricher.handle(batch, broker.as_deref()).await;
+                write(round, sink, &http, &metrics);
+            }
         }
     }
+    tracing::info!("stopping");
     ExitCode::SUCCESS
+}
+
+/// The sampler reports drops for this subscriber cumulatively; count the increase.
+fn last_dropped(m: &Metrics) -> u64 {
+    m.batches_dropped_upstream.load(Ordering::Relaxed)
+}
+
+/// One pprof per label set (per process for now), to disk and to the HTTP view.
+fn write(round: Round, sink: &mut LocalSink, http: &http::Shared, metrics: &Metrics) {
+    let mut groups: HashMap<Arc<LabelSet>, Vec<usize>> = HashMap::new();
+    for (i, s) in round.stacks.iter().enumerate() {
+        groups.entry(s.labels.clone()).or_default().push(i);
+    }
+    let mut items = Vec::with_capacity(groups.len());
+    let mut latest = Vec::with_capacity(groups.len());
+    for (labels, idx) in groups {
+        let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
+        for (k, v) in labels.iter() {
+            b.comment(&format!("{k}={v}"));
+        }
+        for i in idx {
+            b.add(&round.stacks[i]);
+        }
+        let p = b.finish();
+        let samples = profile::sample_count(&p);
+        let gz = match profile::encode_gz(&p) {
+            Ok(gz) => Arc::new(gz),
+            Err(e) => {
+                tracing::warn!(error = %e, "encoding a profile");
+                continue;
+            }
+        };
+        let pid = labels
+            .iter()
+            .find(|(k, _)| k == "pid")
+            .map_or("0", |(_, v)| v.as_str());
+        let name = format!("pid-{pid}.pb.gz");
+        let id = format!("r{}-{}", round.round, name.trim_end_matches(".pb.gz"));
+        items.push(Item {
+            labels: labels.clone(),
+            samples,
+            gz: gz.clone(),
+            name,
+        });
+        latest.push(http::Latest {
+            id,
+            labels,
+            samples,
+            round: round.round,
+            gz,
+        });
+    }
+    sink.write_round(round.round, round.start_ns, &items);
+    let lag = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+        .saturating_sub(round.end_ns);
+    metrics
+        .round_lag_ms
+        .store(lag / 1_000_000, Ordering::Relaxed);
+    http.publish(Arc::new(round), latest);
 }
 
 fn fatal(res: Result<client::ClientError, tokio::task::JoinError>) -> ExitCode {

@@ -18,7 +18,7 @@ impl Printer {
     pub fn event(&mut self, ev: &Event) {
         let mut out = std::io::stdout().lock();
         let r = match ev {
-            Event::Connected(info) if self.json => writeln!(
+            Event::Connected(info, _) if self.json => writeln!(
                 out,
                 "{}",
                 serde_json::json!({
@@ -33,7 +33,7 @@ impl Printer {
                     }
                 })
             ),
-            Event::Connected(info) => {
+            Event::Connected(info, _) => {
                 writeln!(
                 out,
                 "connected: node {} kernel {} sampling at {} Hz, {} s rounds, sampler keeps {:?}",

@@ -39,8 +39,15 @@ pub fn fill_batch(
     mut b: batch::Builder<'_>,
     round: &RoundData,
     processes: &[Issued],
+    forgotten: &[u64],
     meta: &BatchMeta<'_>,
 ) {
+    let mut f = b
+        .reborrow()
+        .init_forgotten_processes(len32(forgotten.len()));
+    for (i, id) in forgotten.iter().enumerate() {
+        f.set(len32(i), *id);
+    }
     b.set_session_id(meta.session_id);
     b.set_round(round.round);
     b.set_start_time_ns(round.start_time_ns);

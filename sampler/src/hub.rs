@@ -17,6 +17,7 @@ use crate::round::{Issued, RoundData};
 pub struct Outgoing {
     pub round: Rc<RoundData>,
     pub processes: Vec<Issued>,
+    pub forgotten: Vec<u64>,
 }
 
 pub struct Subscriber {
@@ -127,9 +128,11 @@ impl Hub {
         self.subs.borrow_mut().retain(|s| !s.is_closed());
         for sub in self.subs.borrow().iter() {
             let mut sent = sub.sent.borrow_mut();
-            for id in forgotten {
-                sent.remove(id);
-            }
+            let forgotten: Vec<u64> = forgotten
+                .iter()
+                .copied()
+                .filter(|id| sent.remove(id).is_some())
+                .collect();
             let processes: Vec<Issued> = round
                 .processes
                 .iter()
@@ -143,6 +146,7 @@ impl Hub {
             q.push_back(Outgoing {
                 round: round.clone(),
                 processes,
+                forgotten,
             });
             c.batches_queued.set(c.batches_queued.get() + 1);
             while q.len() > self.queue_limit {
@@ -151,6 +155,7 @@ impl Hub {
                 c.batches_dropped.set(c.batches_dropped.get() + 1);
                 if let Some(next) = q.front_mut() {
                     carry(old.processes, &mut next.processes);
+                    next.forgotten.extend(old.forgotten);
                 }
             }
             sub.wake.notify_one();

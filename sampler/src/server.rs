@@ -263,7 +263,13 @@ async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Cl
             counters: &counters,
         };
         let mut req = sink.push_request();
-        encode::fill_batch(req.get().init_batch(), &out.round, &out.processes, &meta);
+        encode::fill_batch(
+            req.get().init_batch(),
+            &out.round,
+            &out.processes,
+            &out.forgotten,
+            &meta,
+        );
         drop(out);
         match req.send().await {
             Ok(()) => bump(&c.batches_sent),

@@ -88,6 +88,9 @@ struct Batch {
   kernelSymbols @7 :List(Text);  # interned kernel function names of this batch
   counters @8 :List(Counter);    # cumulative since the sampler started
   droppedBatches @9 :UInt64;     # batches this subscriber lost to its full queue, in all
+  forgottenProcesses @10 :List(UInt64);
+  # Process ids the sampler forgot (the process exited): later ids are new processes,
+  # and these records may be dropped once the samples above are handled.
 }
 
 struct Process {

@@ -12,8 +12,8 @@ pub use firn_capnp::PROTOCOL_VERSION;
 pub mod limits {
     /// Samples in one batch: the BPF counts map holds at most this many keys.
     pub const MAX_SAMPLES: u32 = 16_384;
-    /// Process records in one batch.
-    pub const MAX_PROCESSES: u32 = 16_384;
+    /// Process records in one batch, and forgotten process ids.
+    pub const MAX_PROCESSES: u32 = 65_536;
     /// Frames of one stack (`PERF_MAX_STACK_DEPTH`).
     pub const MAX_FRAMES: u32 = 127;
     /// Distinct kernel symbols in one batch.

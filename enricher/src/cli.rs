@@ -1,0 +1,128 @@
+//! Command-line flags of `firn-enricher`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+
+/// firn's unprivileged half: subscribes to firn-sampler over its Unix socket, obtains
+/// the binaries it needs through the sampler's broker, symbolizes every stack, and
+/// writes one pprof per process per round to a local directory, served on HTTP too.
+///
+/// Every flag can also be set through the environment variable shown.
+#[derive(Debug, Parser)]
+#[command(name = "firn-enricher", version, about, long_about)]
+pub struct Args {
+    /// The sampler's socket.
+    #[arg(long, env = "FIRN_SOCKET", default_value = "/run/firn/sampler.sock")]
+    pub socket: PathBuf,
+
+    /// Where profiles are written: one folder per round, gzip pprof files and an
+    /// index.jsonl mapping each file to its labels.
+    #[arg(long, env = "FIRN_OUTPUT_DIR", default_value = "profiles")]
+    pub output_dir: PathBuf,
+
+    /// Total size kept under --output-dir; the oldest rounds go first (e.g. 1GiB, 200MiB).
+    #[arg(long, env = "FIRN_RETENTION_SIZE", default_value = "1GiB", value_parser = parse_bytes)]
+    pub retention_size: u64,
+
+    /// Age after which rounds are removed (e.g. 24h, 90m, 7d).
+    #[arg(long, env = "FIRN_RETENTION_AGE", default_value = "24h", value_parser = parse_duration)]
+    pub retention_age: Duration,
+
+    /// Free space to leave on the output filesystem; rounds are skipped (and counted)
+    /// below it.
+    #[arg(long, env = "FIRN_MIN_FREE", default_value = "64MiB", value_parser = parse_bytes)]
+    pub min_free: u64,
+
+    /// Address of the HTTP server (metrics, health, profiles, pprof endpoints).
+    #[arg(long, env = "FIRN_HTTP_ADDRESS", default_value = "127.0.0.1:7071")]
+    pub http_address: SocketAddr,
+
+    /// Binaries kept in the symbol cache (LRU; each holds one open file).
+    #[arg(long, env = "FIRN_SYMBOL_CACHE", default_value_t = 256,
+          value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub symbol_cache: u32,
+
+    /// Value of the `node` label; default: the sampler's host name.
+    #[arg(long, env = "FIRN_NODE")]
+    pub node: Option<String>,
+
+    /// Print every batch as one JSON line on stdout instead of writing profiles
+    /// (debugging the stream).
+    #[arg(long)]
+    pub dump: bool,
+
+    /// Allow running as uid 0. The enricher parses untrusted input (binaries, metadata,
+    /// server replies) and needs no privilege, so root is refused by default.
+    #[arg(long, env = "FIRN_ALLOW_ROOT")]
+    pub allow_root: bool,
+
+    /// Protocol version to announce (tests of the mismatch path only).
+    #[arg(long, hide = true, default_value_t = firn_schema::PROTOCOL_VERSION)]
+    pub protocol_version: u32,
+
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "FIRN_LOG", default_value = "info")]
+    pub log: String,
+}
+
+/// `1GiB`, `200MiB`, `64KiB`, `1G`, `5MB`, or plain bytes.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 1GiB, 200MiB or 4096"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "kb" => 1_000,
+        "m" | "mib" => 1 << 20,
+        "mb" => 1_000_000,
+        "g" | "gib" => 1 << 30,
+        "gb" => 1_000_000_000,
+        "t" | "tib" => 1 << 40,
+        "tb" => 1_000_000_000_000,
+        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// `90s`, `30m`, `24h`, `7d`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 90s, 30m, 24h or 7d"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: give a unit: s, m, h or d")),
+    };
+    Ok(Duration::from_secs(n.saturating_mul(secs)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("200MiB"), Ok(200 << 20));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("1XB").is_err());
+        assert!(parse_bytes("GiB").is_err());
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("90m"), Ok(Duration::from_secs(5_400)));
+        assert!(parse_duration("10").is_err());
+    }
+}

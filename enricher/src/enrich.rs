@@ -1,0 +1,301 @@
+//! One batch in, symbolized stacks out: process table, binaries from the broker,
+//! symbolization, label sets.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::batch::{Batch, Stack};
+use crate::broker::{Broker, BrokerError};
+use crate::metrics::Metrics;
+use crate::processes::{Binary, Entry, ProcessTable};
+use crate::profile::{Frame, LabelSet, MappingSpec, StackSample};
+use crate::symbolize::{BinaryId, Lines, Symbolizer};
+
+/// Broker requests at most per round, so a burst of new binaries cannot stall a round.
+const MAX_OPENS_PER_ROUND: usize = 256;
+/// Rounds before a binary the broker refused is asked for again.
+const RETRY_ROUNDS: u64 = 6;
+
+/// The symbolized content of one round.
+pub struct Round {
+    pub round: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub frequency_hz: u32,
+    pub stacks: Vec<StackSample>,
+}
+
+pub struct Enricher {
+    pub processes: ProcessTable,
+    pub symbolizer: Symbolizer,
+    metrics: Arc<Metrics>,
+    node: String,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn dev_of(m: &crate::batch::Mapping) -> u64 {
+    libc::makedev(m.dev_major, m.dev_minor)
+}
+
+impl Enricher {
+    pub fn new(symbolizer: Symbolizer, metrics: Arc<Metrics>, node: String) -> Self {
+        Self {
+            processes: ProcessTable::default(),
+            symbolizer,
+            metrics,
+            node,
+        }
+    }
+
+    pub fn set_node(&mut self, node: &str) {
+        if self.node.is_empty() {
+            self.node = node.to_string();
+        }
+    }
+
+    /// Asks the broker for binaries this batch needs and the cache lacks.
+    async fn fetch_binaries(&mut self, batch: &Batch, broker: Option<&Broker>) {
+        let round = batch.round;
+        let mut wanted: Vec<(u64, usize)> = Vec::new();
+        let mut asked_files = std::collections::HashSet::new();
+        for s in &batch.samples {
+            let Some(e) = self.processes.get_mut(s.process_id) else {
+                continue;
+            };
+            for &addr in &s.user_frames {
+                let Some((idx, m)) = e.mapping_of(addr) else {
+                    continue;
+                };
+                match e.binaries[idx] {
+                    Binary::Known(ref id) if self.symbolizer.contains(id) => continue,
+                    Binary::Failed { retry_round } if retry_round > round => continue,
+                    _ => {}
+                }
+                let key = (dev_of(m), m.inode);
+                if let Some(id) = self.symbolizer.lookup_file(key.0, key.1) {
+                    e.binaries[idx] = Binary::Known(id);
+                } else if asked_files.insert(key) {
+                    wanted.push((s.process_id, idx));
+                }
+            }
+        }
+        let Some(broker) = broker else { return };
+        for (pid_id, idx) in wanted.into_iter().take(MAX_OPENS_PER_ROUND) {
+            let Some(e) = self.processes.get(pid_id) else {
+                continue;
+            };
+            let version = e.record.mappings_version;
+            Metrics::inc(&self.metrics.broker_requests);
+            let result = broker.open(pid_id, idx as u32, version).await;
+            let outcome = match result {
+                Ok(fd) => match self.symbolizer.load(fd) {
+                    Ok(id) => Binary::Known(id),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "binary not loadable");
+                        Binary::Failed {
+                            retry_round: round + RETRY_ROUNDS,
+                        }
+                    }
+                },
+                Err(BrokerError::Refused(r)) => {
+                    Metrics::inc(&self.metrics.broker_refusals);
+                    tracing::debug!(process_id = pid_id, mapping = idx, reason = ?r, "broker refused");
+                    Binary::Failed {
+                        retry_round: round + RETRY_ROUNDS,
+                    }
+                }
+                Err(e) => {
+                    Metrics::inc(&self.metrics.broker_errors);
+                    tracing::warn!(error = %e, "broker request failed");
+                    Binary::Failed {
+                        retry_round: round + 1,
+                    }
+                }
+            };
+            if let Some(e) = self.processes.get_mut(pid_id) {
+                if let Some(slot) = e.binaries.get_mut(idx) {
+                    *slot = outcome;
+                }
+            }
+        }
+    }
+
+    fn labels(&self, e: Option<&Entry>, pid: u32, comm: &str) -> LabelSet {
+        let mut l: LabelSet = vec![
+            (
+                "comm".into(),
+                e.map_or(comm, |e| e.record.comm.as_str()).to_string(),
+            ),
+            ("node".into(), self.node.clone()),
+            ("pid".into(), pid.to_string()),
+        ];
+        if let Some(e) = e {
+            let exe = e.executable();
+            if !exe.is_empty() {
+                l.push(("executable".into(), exe.to_string()));
+            }
+        }
+        l.sort();
+        l
+    }
+
+    pub async fn handle(&mut self, batch: Batch, broker: Option<&Broker>) -> Round {
+        let m = self.metrics.clone();
+        self.processes.set_session(batch.session_id);
+        let records = batch.processes.clone();
+        self.processes.update(records, batch.round);
+        for s in &batch.samples {
+            self.processes.touch(s.process_id, batch.round);
+        }
+        self.fetch_binaries(&batch, broker).await;
+
+        // Pass 1: every (binary, offset) to symbolize, per binary.
+        let mut wanted: HashMap<BinaryId, Vec<u64>> = HashMap::new();
+        for s in &batch.samples {
+            let Some(e) = self.processes.get(s.process_id) else {
+                continue;
+            };
+            for (i, &addr) in s.user_frames.iter().enumerate() {
+                if let Some((idx, mp)) = e.mapping_of(addr) {
+                    if let Binary::Known(id) = &e.binaries[idx] {
+                        wanted
+                            .entry(id.clone())
+                            .or_default()
+                            .push(sym_offset(addr, mp, i));
+                    }
+                }
+            }
+        }
+        let mut resolved: HashMap<(BinaryId, u64), Option<Lines>> = HashMap::new();
+        for (id, offsets) in wanted {
+            let lines = self.symbolizer.symbolize(&id, &offsets);
+            for (o, l) in offsets.into_iter().zip(lines) {
+                resolved.insert((id.clone(), o), l);
+            }
+        }
+
+        // Pass 2: stacks with labels.
+        let mut label_sets: HashMap<u64, Arc<LabelSet>> = HashMap::new();
+        let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
+        let kernel_names: Vec<Arc<str>> = batch
+            .kernel_symbols
+            .iter()
+            .map(|s| Arc::from(s.as_str()))
+            .collect();
+        let mut stacks = Vec::with_capacity(batch.samples.len());
+        for s in &batch.samples {
+            Metrics::add(&m.samples_received, s.count);
+            let entry = self.processes.get(s.process_id);
+            if entry.is_none() {
+                Metrics::add(&m.samples_without_process, s.count);
+            }
+            let labels = label_sets
+                .entry(s.process_id)
+                .or_insert_with(|| Arc::new(self.labels(entry, s.pid, &s.comm)))
+                .clone();
+            let mut frames: Vec<Frame> = s
+                .kernel_frames
+                .iter()
+                .map(|&k| Frame::Kernel(kernel_names[k as usize].clone()))
+                .collect();
+            for (i, &addr) in s.user_frames.iter().enumerate() {
+                let frame =
+                    match entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp))) {
+                        None => {
+                            Metrics::inc(&m.frames_unsymbolized_no_mapping);
+                            Frame::User {
+                                mapping: None,
+                                address: addr,
+                                lines: None,
+                            }
+                        }
+                        Some((e, idx, mp)) => {
+                            let known = match &e.binaries[idx] {
+                                Binary::Known(id) => Some(id),
+                                _ => None,
+                            };
+                            let lines = known.and_then(|id| {
+                                resolved
+                                    .get(&(id.clone(), sym_offset(addr, mp, i)))
+                                    .cloned()
+                                    .flatten()
+                            });
+                            match (&known, &lines) {
+                                (None, _) => Metrics::inc(&m.frames_unsymbolized_no_binary),
+                                (Some(_), None) => Metrics::inc(&m.frames_unsymbolized_no_symbol),
+                                (Some(_), Some(_)) => Metrics::inc(&m.frames_symbolized),
+                            }
+                            let spec = mappings
+                                .entry((s.process_id, idx))
+                                .or_insert_with(|| {
+                                    Arc::new(MappingSpec {
+                                        start: mp.start,
+                                        limit: mp.end,
+                                        offset: mp.file_offset,
+                                        file: Arc::from(mp.path.as_str()),
+                                        build_id: Arc::from(
+                                            known
+                                                .and_then(|id| self.symbolizer.build_id(id))
+                                                .map(hex)
+                                                .unwrap_or_default()
+                                                .as_str(),
+                                        ),
+                                        symbolized: known.is_some(),
+                                    })
+                                })
+                                .clone();
+                            Frame::User {
+                                mapping: Some(spec),
+                                address: addr,
+                                lines,
+                            }
+                        }
+                    };
+                frames.push(frame);
+            }
+            if frames.is_empty() {
+                // Neither stack could be read: keep the sample's weight on its process.
+                let why = match (s.user_stack, s.kernel_stack) {
+                    (Stack::Lost, _) | (_, Stack::Lost) => "[stack lost]",
+                    _ => "[no stack]",
+                };
+                frames.push(Frame::Kernel(Arc::from(why)));
+            }
+            stacks.push(StackSample {
+                labels,
+                frames: frames.into(),
+                count: s.count,
+            });
+        }
+        self.processes.forget(&batch.forgotten_processes);
+        m.processes_known.store(
+            self.processes.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        m.binaries_cached.store(
+            self.symbolizer.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Round {
+            round: batch.round,
+            start_ns: batch.start_time_ns,
+            end_ns: batch.end_time_ns,
+            frequency_hz: batch.frequency_hz,
+            stacks,
+        }
+    }
+}
+
+/// The file offset to symbolize for frame `i`: callers' return addresses point after
+/// the call, so one byte back lands inside the call instruction (and its line).
+fn sym_offset(addr: u64, m: &crate::batch::Mapping, i: usize) -> u64 {
+    let off = addr - m.start + m.file_offset;
+    if i > 0 {
+        off.saturating_sub(1)
+    } else {
+        off
+    }
+}

@@ -1,0 +1,256 @@
+//! The local web view and scrape endpoints.
+//!
+//! `/metrics` Prometheus text · `/healthz` · `/profiles` latest label sets with sample
+//! counts · `/profiles/{id}` one pprof · `/pprof/cpu?seconds=N[&label=value…]` a
+//! whole-host CPU profile of the last N seconds (what Parca's `scrape_configs` fetch) ·
+//! `/debug/pprof/profile?seconds=N` the enricher's own CPU profile (pprof crate).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+
+use crate::enrich::Round;
+use crate::metrics::Metrics;
+use crate::profile::{self, LabelSet};
+
+/// How far back `/pprof/cpu` can reach.
+pub const MAX_WINDOW: Duration = Duration::from_secs(3600);
+/// Rounds kept for `/pprof/cpu` at most, whatever their length.
+const MAX_ROUNDS: usize = 720;
+/// Rounds a label set stays in `/profiles` after its last profile.
+const LATEST_ROUNDS: u64 = 6;
+
+pub struct Latest {
+    pub id: String,
+    pub labels: Arc<LabelSet>,
+    pub samples: i64,
+    pub round: u64,
+    pub gz: Arc<Vec<u8>>,
+}
+
+#[derive(Default)]
+pub struct Inner {
+    pub latest: Vec<Latest>,
+    pub recent: VecDeque<Arc<Round>>,
+    pub last_batch: Option<SystemTime>,
+    pub round_seconds: u32,
+}
+
+pub struct Shared {
+    pub metrics: Arc<Metrics>,
+    pub inner: Mutex<Inner>,
+    profiling: AtomicBool,
+}
+
+impl Shared {
+    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
+        Arc::new(Self {
+            metrics,
+            inner: Mutex::new(Inner::default()),
+            profiling: AtomicBool::new(false),
+        })
+    }
+
+    /// Publishes a finished round: its profiles replace those of the same label sets,
+    /// label sets unseen for a few rounds leave `/profiles`.
+    pub fn publish(&self, round: Arc<Round>, latest: Vec<Latest>) {
+        let Ok(mut g) = self.inner.lock() else { return };
+        let now = round.round;
+        g.latest.retain(|l| {
+            now.saturating_sub(l.round) < LATEST_ROUNDS
+                && !latest.iter().any(|n| n.labels == l.labels)
+        });
+        g.latest.extend(latest);
+        g.latest.sort_by(|a, b| b.samples.cmp(&a.samples));
+        g.last_batch = Some(SystemTime::now());
+        let horizon = now_ns().saturating_sub(MAX_WINDOW.as_nanos() as u64);
+        g.recent.push_back(round);
+        while g.recent.len() > MAX_ROUNDS || g.recent.front().is_some_and(|r| r.end_ns < horizon) {
+            g.recent.pop_front();
+        }
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+pub fn router(state: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/profiles", get(list))
+        .route("/profiles/{id}", get(one))
+        .route("/pprof/cpu", get(host_cpu))
+        .route("/debug/pprof/profile", get(self_profile))
+        .with_state(state)
+}
+
+fn count(s: &Shared) {
+    Metrics::inc(&s.metrics.http_requests);
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn healthz(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    let Ok(g) = s.inner.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let stale = Duration::from_secs(u64::from(g.round_seconds.max(10)) * 3);
+    match g.last_batch.map(|t| t.elapsed().unwrap_or_default()) {
+        Some(age) if age > stale => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("no batch from the sampler for {}s\n", age.as_secs()),
+        )
+            .into_response(),
+        Some(age) => format!("ok: last batch {}s ago\n", age.as_secs()).into_response(),
+        None => "ok: waiting for the first batch\n".into_response(),
+    }
+}
+
+async fn list(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    let Ok(g) = s.inner.lock() else {
+        return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+    };
+    let items: Vec<serde_json::Value> = g
+        .latest
+        .iter()
+        .map(|l| {
+            serde_json::json!({
+                "id": l.id,
+                "round": l.round,
+                "samples": l.samples,
+                "labels": l.labels.iter().cloned().collect::<HashMap<String, String>>(),
+                "url": format!("/profiles/{}", l.id),
+            })
+        })
+        .collect();
+    axum::Json(items).into_response()
+}
+
+async fn one(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    count(&s);
+    let found = s
+        .inner
+        .lock()
+        .ok()
+        .and_then(|g| g.latest.iter().find(|l| l.id == id).map(|l| l.gz.clone()));
+    match found {
+        Some(gz) => (
+            [(header::CONTENT_TYPE, "application/octet-stream")],
+            gz.as_ref().clone(),
+        )
+            .into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            "no such profile among the latest (see /profiles)\n",
+        )
+            .into_response(),
+    }
+}
+
+fn seconds(q: &HashMap<String, String>, default: u64, max: u64) -> Result<u64, Response> {
+    match q.get("seconds") {
+        None => Ok(default),
+        Some(v) => match v.parse::<u64>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err((
+                StatusCode::BAD_REQUEST,
+                format!("seconds must be an integer from 1 to {max}\n"),
+            )
+                .into_response()),
+        },
+    }
+}
+
+async fn host_cpu(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    count(&s);
+    let secs = match seconds(&q, 30, MAX_WINDOW.as_secs()) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let matchers: Vec<(String, String)> = q.into_iter().filter(|(k, _)| k != "seconds").collect();
+    let now = now_ns();
+    let from = now.saturating_sub(secs * 1_000_000_000);
+    let rounds: Vec<Arc<Round>> = match s.inner.lock() {
+        Ok(g) => g
+            .recent
+            .iter()
+            .filter(|r| r.end_ns > from)
+            .cloned()
+            .collect(),
+        Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    };
+    let freq = rounds.first().map_or(19, |r| r.frequency_hz);
+    let start = rounds
+        .first()
+        .map_or(from, |r| r.start_ns.min(from.max(r.start_ns)));
+    let mut b = profile::Builder::new(freq, start, now);
+    for r in &rounds {
+        for st in &r.stacks {
+            let matches = matchers
+                .iter()
+                .all(|(k, v)| st.labels.iter().any(|(lk, lv)| lk == k && lv == v));
+            if matches {
+                b.add(st);
+            }
+        }
+    }
+    match profile::encode_gz(&b.finish()) {
+        Ok(gz) => ([(header::CONTENT_TYPE, "application/octet-stream")], gz).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn self_profile(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    count(&s);
+    let secs = match seconds(&q, 30, 300) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    if s.profiling.swap(true, Ordering::AcqRel) {
+        return (StatusCode::CONFLICT, "a self-profile is already running\n").into_response();
+    }
+    let result = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, String> {
+        let guard = pprof::ProfilerGuardBuilder::default()
+            .frequency(99)
+            .blocklist(&["libc", "libgcc", "pthread", "vdso"])
+            .build()
+            .map_err(|e| e.to_string())?;
+        std::thread::sleep(Duration::from_secs(secs));
+        let report = guard.report().build().map_err(|e| e.to_string())?;
+        let p = report.pprof().map_err(|e| e.to_string())?;
+        profile::encode_gz(&p).map_err(|e| e.to_string())
+    })
+    .await;
+    s.profiling.store(false, Ordering::Release);
+    match result {
+        Ok(Ok(gz)) => ([(header::CONTENT_TYPE, "application/octet-stream")], gz).into_response(),
+        Ok(Err(e)) => (StatusCode::INTERNAL_SERVER_ERROR, e).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}

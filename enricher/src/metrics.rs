@@ -1,0 +1,95 @@
+//! The enricher's counters, shared with the HTTP server (`/metrics`). Every failure mode
+//! and every drop has one.
+
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+macro_rules! metrics {
+    ($($name:ident: $help:literal,)*) => {
+        #[derive(Default)]
+        pub struct Metrics {
+            $(#[doc = $help] pub $name: AtomicU64,)*
+            /// Latest counters reported by the sampler (cumulative since its start).
+            pub sampler: Mutex<Vec<(String, u64)>>,
+            /// Seconds between a round's end and the end of its processing here.
+            pub round_lag_ms: AtomicU64,
+            /// Processes in the table (gauge).
+            pub processes_known: AtomicU64,
+            /// Binaries in the symbol cache (gauge).
+            pub binaries_cached: AtomicU64,
+        }
+
+        impl Metrics {
+            pub fn render(&self) -> String {
+                let mut out = String::new();
+                $(
+                    let _ = writeln!(out, "# HELP firn_enricher_{}_total {}", stringify!($name), $help);
+                    let _ = writeln!(out, "# TYPE firn_enricher_{}_total counter", stringify!($name));
+                    let _ = writeln!(out, "firn_enricher_{}_total {}", stringify!($name), self.$name.load(Ordering::Relaxed));
+                )*
+                let _ = writeln!(out, "# HELP firn_enricher_round_lag_seconds Time from a round's end at the sampler to its profiles being written.");
+                let _ = writeln!(out, "# TYPE firn_enricher_round_lag_seconds gauge");
+                let _ = writeln!(out, "firn_enricher_round_lag_seconds {:.3}", self.round_lag_ms.load(Ordering::Relaxed) as f64 / 1000.0);
+                for (name, help, v) in [
+                    ("processes_known", "Processes in the enricher's table.", &self.processes_known),
+                    ("binaries_cached", "Binaries in the symbol cache.", &self.binaries_cached),
+                ] {
+                    let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
+                    let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
+                    let _ = writeln!(out, "firn_enricher_{name} {}", v.load(Ordering::Relaxed));
+                }
+                if let Ok(s) = self.sampler.lock() {
+                    for (name, value) in s.iter() {
+                        let name: String = name
+                            .chars()
+                            .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
+                            .collect();
+                        let _ = writeln!(out, "# TYPE firn_sampler_{name} counter");
+                        let _ = writeln!(out, "firn_sampler_{name} {value}");
+                    }
+                }
+                out
+            }
+        }
+    };
+}
+
+metrics! {
+    connects: "connections made to the sampler",
+    connect_failures: "failed attempts to reach the sampler",
+    disconnects: "sampler connections lost",
+    batches_received: "batches received from the sampler",
+    batches_rejected: "batches rejected as malformed or over a limit",
+    batches_dropped_upstream: "batches the sampler dropped for this enricher (its queue was full)",
+    samples_received: "sample counts received (sum of sample weights)",
+    samples_without_process: "samples whose process record is unknown (encoded with comm only)",
+    frames_symbolized: "user frames given a function name",
+    frames_unsymbolized_no_mapping: "user frames outside every known mapping (kept as address)",
+    frames_unsymbolized_no_binary: "user frames whose binary could not be obtained (kept as address)",
+    frames_unsymbolized_no_symbol: "user frames the binary has no symbol for (kept as address)",
+    symbol_cache_hits: "frame lookups answered from the per-binary cache",
+    symbol_cache_misses: "frame lookups that ran the symbolizer",
+    binaries_loaded: "binaries opened for symbolization",
+    binaries_evicted: "binaries evicted from the symbol cache",
+    binary_load_errors: "binaries whose ELF could not be read",
+    broker_requests: "file descriptors requested from the sampler",
+    broker_refusals: "broker requests the sampler refused (see log for reasons)",
+    broker_errors: "broker requests that failed in transport",
+    profiles_written: "pprof files written by the local sink",
+    rounds_written: "rounds written by the local sink",
+    sink_errors: "rounds the local sink could not write (unwritable, I/O error)",
+    sink_disk_full: "rounds skipped because the output disk was nearly full",
+    sink_retention_removed: "round folders removed by retention",
+    http_requests: "HTTP requests served",
+}
+
+impl Metrics {
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+}

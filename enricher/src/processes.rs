@@ -1,0 +1,126 @@
+//! The enricher's process table, built from the sampler's process records. A process
+//! is identified by the sampler-issued id (one per pid and start time, so pid reuse
+//! gives a new entry); records of a new mapping version (after dlopen) replace the old
+//! mappings. An entry lives until the sampler says it forgot the process (it exited),
+//! bounded in number.
+
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use crate::batch::{Mapping, Process};
+use crate::symbolize::BinaryId;
+
+/// Processes kept at most (the sampler's own bound); past it the least recently
+/// sampled goes.
+const MAX_ENTRIES: usize = 32_768;
+
+/// What is known of the file behind one mapping.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Binary {
+    /// Not asked for yet.
+    Unknown,
+    /// Loaded into the symbol cache under this identity.
+    Known(BinaryId),
+    /// The broker refused or loading failed; retried from this round on.
+    Failed { retry_round: u64 },
+}
+
+pub struct Entry {
+    pub record: Rc<Process>,
+    /// Mappings sorted by start, with their original index in the record.
+    pub sorted: Vec<(usize, Mapping)>,
+    pub binaries: Vec<Binary>,
+    last_round: u64,
+}
+
+impl Entry {
+    fn new(record: Process, round: u64) -> Self {
+        let mut sorted: Vec<(usize, Mapping)> =
+            record.mappings.iter().cloned().enumerate().collect();
+        sorted.sort_by_key(|(_, m)| m.start);
+        let binaries = vec![Binary::Unknown; record.mappings.len()];
+        Self {
+            record: Rc::new(record),
+            sorted,
+            binaries,
+            last_round: round,
+        }
+    }
+
+    /// The mapping containing `addr`: (index in the record, mapping).
+    pub fn mapping_of(&self, addr: u64) -> Option<(usize, &Mapping)> {
+        let i = self.sorted.partition_point(|(_, m)| m.start <= addr);
+        let (idx, m) = self.sorted.get(i.checked_sub(1)?)?;
+        (addr < m.end).then_some((*idx, m))
+    }
+
+    /// File name of the executable, for the `executable` label.
+    pub fn executable(&self) -> &str {
+        let exe = self.record.exe.trim_end_matches(" (deleted)");
+        exe.rsplit('/').next().unwrap_or(exe)
+    }
+}
+
+#[derive(Default)]
+pub struct ProcessTable {
+    by_id: HashMap<u64, Entry>,
+    session: u64,
+}
+
+impl ProcessTable {
+    /// Forgets everything when the sampler session changes: ids are per session.
+    pub fn set_session(&mut self, session: u64) {
+        if session != self.session {
+            self.by_id.clear();
+            self.session = session;
+        }
+    }
+
+    pub fn update(&mut self, records: Vec<Process>, round: u64) {
+        for r in records {
+            match self.by_id.get_mut(&r.process_id) {
+                // Same process, same mappings: nothing to redo.
+                Some(e) if e.record.mappings_version >= r.mappings_version => e.last_round = round,
+                _ => {
+                    self.by_id.insert(r.process_id, Entry::new(r, round));
+                }
+            }
+        }
+    }
+
+    pub fn get(&self, id: u64) -> Option<&Entry> {
+        self.by_id.get(&id)
+    }
+
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
+        self.by_id.get_mut(&id)
+    }
+
+    pub fn touch(&mut self, id: u64, round: u64) {
+        if let Some(e) = self.by_id.get_mut(&id) {
+            e.last_round = round;
+        }
+    }
+
+    /// Drops the records the sampler forgot, after the batch's samples were handled.
+    pub fn forget(&mut self, ids: &[u64]) {
+        for id in ids {
+            self.by_id.remove(id);
+        }
+        while self.by_id.len() > MAX_ENTRIES {
+            let Some(oldest) = self
+                .by_id
+                .iter()
+                .min_by_key(|(_, e)| e.last_round)
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            self.by_id.remove(&oldest);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_id.len()
+    }
+}

@@ -1,0 +1,274 @@
+//! Symbolized samples and their pprof encoding (`google/pprof/proto/profile.proto`, via
+//! the types the `pprof` crate generates, so the tree has one prost).
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::Arc;
+
+use pprof::protos::{Function, Label, Line, Location, Mapping, Profile, Sample, ValueType};
+use prost::Message;
+
+use crate::symbolize::Lines;
+
+/// A mapping of a process as pprof shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MappingSpec {
+    pub start: u64,
+    pub limit: u64,
+    pub offset: u64,
+    pub file: Arc<str>,
+    /// Hex build id, or empty.
+    pub build_id: Arc<str>,
+    pub symbolized: bool,
+}
+
+#[derive(Debug, Clone)]
+pub enum Frame {
+    /// A user frame: its address, its mapping when one contains it, and its lines
+    /// when it was symbolized (an unsymbolized frame keeps address and mapping only).
+    User {
+        mapping: Option<Arc<MappingSpec>>,
+        address: u64,
+        lines: Option<Lines>,
+    },
+    /// A kernel frame, named by the sampler.
+    Kernel(Arc<str>),
+}
+
+/// Labels, sorted by name.
+pub type LabelSet = Vec<(String, String)>;
+
+/// One stack of one label set with its sample count.
+#[derive(Debug, Clone)]
+pub struct StackSample {
+    pub labels: Arc<LabelSet>,
+    /// Leaf first.
+    pub frames: Arc<[Frame]>,
+    pub count: u64,
+}
+
+const KERNEL_MAPPING: &str = "[kernel.kallsyms]";
+
+/// Builds one pprof profile, deduplicating strings, mappings, functions, locations and
+/// samples (equal stacks with equal labels are summed).
+pub struct Builder {
+    p: Profile,
+    strings: HashMap<Arc<str>, i64>,
+    mappings: HashMap<Arc<MappingSpec>, u64>,
+    kernel_mapping: Option<u64>,
+    functions: HashMap<(i64, i64), u64>,
+    user_locations: HashMap<(u64, u64), u64>,
+    kernel_locations: HashMap<Arc<str>, u64>,
+    samples: HashMap<(Vec<u64>, Arc<LabelSet>), usize>,
+    period: i64,
+}
+
+impl Builder {
+    /// `frequency` in Hz; `start_ns`/`end_ns` the wall-clock span covered.
+    pub fn new(frequency: u32, start_ns: u64, end_ns: u64) -> Self {
+        let period = 1_000_000_000 / i64::from(frequency.max(1));
+        let mut b = Self {
+            p: Profile::default(),
+            strings: HashMap::new(),
+            mappings: HashMap::new(),
+            kernel_mapping: None,
+            functions: HashMap::new(),
+            user_locations: HashMap::new(),
+            kernel_locations: HashMap::new(),
+            samples: HashMap::new(),
+            period,
+        };
+        b.string("");
+        let samples = b.string("samples");
+        let count = b.string("count");
+        let cpu = b.string("cpu");
+        let ns = b.string("nanoseconds");
+        b.p.sample_type = vec![
+            ValueType {
+                ty: samples,
+                unit: count,
+            },
+            ValueType { ty: cpu, unit: ns },
+        ];
+        b.p.period_type = Some(ValueType { ty: cpu, unit: ns });
+        b.p.period = period;
+        // An index into the string table, not into sample_type.
+        b.p.default_sample_type = cpu;
+        b.p.time_nanos = start_ns as i64;
+        b.p.duration_nanos = end_ns.saturating_sub(start_ns) as i64;
+        b
+    }
+
+    pub fn comment(&mut self, text: &str) {
+        let s = self.string(text);
+        self.p.comment.push(s);
+    }
+
+    fn string(&mut self, s: &str) -> i64 {
+        if let Some(&i) = self.strings.get(s) {
+            return i;
+        }
+        let i = self.p.string_table.len() as i64;
+        self.p.string_table.push(s.to_string());
+        self.strings.insert(Arc::from(s), i);
+        i
+    }
+
+    fn function(&mut self, name: &str, file: &str) -> u64 {
+        let key = (self.string(name), self.string(file));
+        if let Some(&id) = self.functions.get(&key) {
+            return id;
+        }
+        let id = self.p.function.len() as u64 + 1;
+        self.p.function.push(Function {
+            id,
+            name: key.0,
+            system_name: key.0,
+            filename: key.1,
+            start_line: 0,
+        });
+        self.functions.insert(key, id);
+        id
+    }
+
+    fn mapping(&mut self, m: &Arc<MappingSpec>) -> u64 {
+        if let Some(&id) = self.mappings.get(m) {
+            return id;
+        }
+        let id = self.p.mapping.len() as u64 + 1;
+        let filename = self.string(&m.file);
+        let build_id = self.string(&m.build_id);
+        self.p.mapping.push(Mapping {
+            id,
+            memory_start: m.start,
+            memory_limit: m.limit,
+            file_offset: m.offset,
+            filename,
+            build_id,
+            has_functions: m.symbolized,
+            has_filenames: m.symbolized,
+            has_line_numbers: m.symbolized,
+            has_inline_frames: m.symbolized,
+        });
+        self.mappings.insert(m.clone(), id);
+        id
+    }
+
+    fn location(&mut self, f: &Frame) -> u64 {
+        match f {
+            Frame::Kernel(name) => {
+                if let Some(&id) = self.kernel_locations.get(name) {
+                    return id;
+                }
+                let mapping_id = match self.kernel_mapping {
+                    Some(id) => id,
+                    None => {
+                        let id = self.mapping(&Arc::new(MappingSpec {
+                            start: 0,
+                            limit: 0,
+                            offset: 0,
+                            file: Arc::from(KERNEL_MAPPING),
+                            build_id: Arc::from(""),
+                            symbolized: true,
+                        }));
+                        self.kernel_mapping = Some(id);
+                        id
+                    }
+                };
+                let function_id = self.function(name, "");
+                let id = self.p.location.len() as u64 + 1;
+                self.p.location.push(Location {
+                    id,
+                    mapping_id,
+                    address: 0,
+                    line: vec![Line {
+                        function_id,
+                        line: 0,
+                    }],
+                    is_folded: false,
+                });
+                self.kernel_locations.insert(name.clone(), id);
+                id
+            }
+            Frame::User {
+                mapping,
+                address,
+                lines,
+            } => {
+                let mapping_id = mapping.as_ref().map_or(0, |m| self.mapping(m));
+                if let Some(&id) = self.user_locations.get(&(mapping_id, *address)) {
+                    return id;
+                }
+                let line = lines
+                    .iter()
+                    .flat_map(|ls| ls.iter())
+                    .map(|l| Line {
+                        function_id: self.function(&l.function, &l.file),
+                        line: i64::from(l.line),
+                    })
+                    .collect();
+                let id = self.p.location.len() as u64 + 1;
+                self.p.location.push(Location {
+                    id,
+                    mapping_id,
+                    address: *address,
+                    line,
+                    is_folded: false,
+                });
+                self.user_locations.insert((mapping_id, *address), id);
+                id
+            }
+        }
+    }
+
+    pub fn add(&mut self, s: &StackSample) {
+        let locs: Vec<u64> = s.frames.iter().map(|f| self.location(f)).collect();
+        let key = (locs, s.labels.clone());
+        let count = s.count as i64;
+        if let Some(&i) = self.samples.get(&key) {
+            let v = &mut self.p.sample[i].value;
+            v[0] += count;
+            v[1] += count * self.period;
+            return;
+        }
+        let label = s
+            .labels
+            .iter()
+            .map(|(k, v)| Label {
+                key: self.string(k),
+                str: self.string(v),
+                num: 0,
+                num_unit: 0,
+            })
+            .collect();
+        self.samples.insert(key.clone(), self.p.sample.len());
+        self.p.sample.push(Sample {
+            location_id: key.0,
+            value: vec![count, count * self.period],
+            label,
+        });
+    }
+
+    pub fn finish(self) -> Profile {
+        self.p
+    }
+}
+
+/// pprof bytes, gzip-compressed (what `go tool pprof` and Parca read).
+pub fn encode_gz(p: &Profile) -> std::io::Result<Vec<u8>> {
+    let raw = p.encode_to_vec();
+    let mut gz = flate2::write::GzEncoder::new(
+        Vec::with_capacity(raw.len() / 3),
+        flate2::Compression::fast(),
+    );
+    gz.write_all(&raw)?;
+    gz.finish()
+}
+
+/// Total samples (first value) of a profile.
+pub fn sample_count(p: &Profile) -> i64 {
+    p.sample
+        .iter()
+        .map(|s| s.value.first().copied().unwrap_or(0))
+        .sum()
+}

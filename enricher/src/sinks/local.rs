@@ -1,0 +1,240 @@
+//! The local sink: gzip pprof files under the output directory, one folder per round
+//! (UTC time in its name) with a JSON-lines index mapping each file to its label set;
+//! retention by total size and age. A round is written under a temporary name and
+//! renamed into place whole, so a reader never sees part of one. When the disk is
+//! nearly full or the directory is unwritable, rounds are skipped, counted, logged once,
+//! and writing resumes by itself once possible.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SinkError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("only {free} bytes free under {path}, keeping at least {min}")]
+    DiskFull { path: PathBuf, free: u64, min: u64 },
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SinkError + 'a {
+    move |source| SinkError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+pub struct Settings {
+    pub dir: PathBuf,
+    pub max_bytes: u64,
+    pub max_age: Duration,
+    /// Rounds are skipped while the filesystem has less free space than this.
+    pub min_free_bytes: u64,
+}
+
+/// One profile to write: its label set and gzip pprof bytes.
+pub struct Item {
+    pub labels: Arc<crate::profile::LabelSet>,
+    pub samples: i64,
+    pub gz: Arc<Vec<u8>>,
+    pub name: String,
+}
+
+pub struct LocalSink {
+    s: Settings,
+    metrics: Arc<Metrics>,
+    failing: bool,
+}
+
+impl LocalSink {
+    pub fn new(s: Settings, metrics: Arc<Metrics>) -> Self {
+        Self {
+            s,
+            metrics,
+            failing: false,
+        }
+    }
+
+    /// Writes one round; on failure nothing of it remains. Then applies retention.
+    pub fn write_round(&mut self, round: u64, start_ns: u64, items: &[Item]) {
+        match self.try_write(round, start_ns, items) {
+            Ok(dir) => {
+                if self.failing {
+                    tracing::info!(dir = %self.s.dir.display(), "local sink writing again");
+                    self.failing = false;
+                }
+                Metrics::inc(&self.metrics.rounds_written);
+                Metrics::add(&self.metrics.profiles_written, items.len() as u64);
+                tracing::debug!(dir = %dir.display(), profiles = items.len(), "round written");
+            }
+            Err(e) => {
+                if matches!(e, SinkError::DiskFull { .. }) {
+                    Metrics::inc(&self.metrics.sink_disk_full);
+                } else {
+                    Metrics::inc(&self.metrics.sink_errors);
+                }
+                if !self.failing {
+                    tracing::warn!(error = %e, "local sink stopped writing; will retry every round");
+                    self.failing = true;
+                }
+            }
+        }
+        if let Err(e) = self.retention() {
+            tracing::debug!(error = %e, "retention pass failed");
+        }
+    }
+
+    fn free_bytes(&self) -> Result<u64, SinkError> {
+        let st = nix::sys::statvfs::statvfs(&self.s.dir).map_err(|e| SinkError::Io {
+            what: "statvfs",
+            path: self.s.dir.clone(),
+            source: e.into(),
+        })?;
+        Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
+    }
+
+    fn try_write(&self, round: u64, start_ns: u64, items: &[Item]) -> Result<PathBuf, SinkError> {
+        std::fs::create_dir_all(&self.s.dir).map_err(io("creating", &self.s.dir))?;
+        let need: u64 = items.iter().map(|i| i.gz.len() as u64).sum::<u64>() + 64 * 1024;
+        let free = self.free_bytes()?;
+        if free < self.s.min_free_bytes + need {
+            return Err(SinkError::DiskFull {
+                path: self.s.dir.clone(),
+                free,
+                min: self.s.min_free_bytes,
+            });
+        }
+        let name = format!("{}-r{round:06}", utc_stamp(start_ns));
+        let tmp = self.s.dir.join(format!(".tmp-{name}"));
+        let result = (|| {
+            std::fs::create_dir(&tmp).map_err(io("creating", &tmp))?;
+            let mut index = String::new();
+            for item in items {
+                let path = tmp.join(&item.name);
+                std::fs::write(&path, item.gz.as_slice()).map_err(io("writing", &path))?;
+                let labels: serde_json::Map<String, serde_json::Value> = item
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                    .collect();
+                index.push_str(
+                    &serde_json::json!({
+                        "file": item.name,
+                        "labels": labels,
+                        "samples": item.samples,
+                    })
+                    .to_string(),
+                );
+                index.push('\n');
+            }
+            let idx = tmp.join("index.jsonl");
+            std::fs::write(&idx, index).map_err(io("writing", &idx))?;
+            let fin = self.s.dir.join(&name);
+            std::fs::rename(&tmp, &fin).map_err(io("renaming into", &fin))?;
+            Ok(fin)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+        result
+    }
+
+    /// Removes the oldest round folders while over the size budget or past the age.
+    fn retention(&self) -> Result<(), SinkError> {
+        let mut rounds: Vec<(PathBuf, u64, SystemTime)> = Vec::new();
+        let rd = std::fs::read_dir(&self.s.dir).map_err(io("listing", &self.s.dir))?;
+        for entry in rd.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".tmp-") {
+                // Left by a crash mid-write: never complete, never read.
+                let _ = std::fs::remove_dir_all(&path);
+                continue;
+            }
+            if !path.is_dir() || !is_round_name(&name) {
+                continue;
+            }
+            let size = std::fs::read_dir(&path)
+                .map(|d| {
+                    d.flatten()
+                        .filter_map(|f| f.metadata().ok())
+                        .map(|m| m.len())
+                        .sum()
+                })
+                .unwrap_or(0);
+            let mtime = entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            rounds.push((path, size, mtime));
+        }
+        rounds.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut total: u64 = rounds.iter().map(|r| r.1).sum();
+        let now = SystemTime::now();
+        for (path, size, mtime) in rounds {
+            let old = now.duration_since(mtime).unwrap_or_default() > self.s.max_age;
+            if total <= self.s.max_bytes && !old {
+                break;
+            }
+            if std::fs::remove_dir_all(&path).is_ok() {
+                total = total.saturating_sub(size);
+                Metrics::inc(&self.metrics.sink_retention_removed);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn is_round_name(n: &str) -> bool {
+    n.len() > 17 && n.as_bytes()[8] == b'T' && n.contains("Z-r")
+}
+
+/// `YYYYMMDDTHHMMSSZ` of a Unix time in ns.
+pub fn utc_stamp(ns: u64) -> String {
+    let secs = (ns / 1_000_000_000) as i64;
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stamps() {
+        assert_eq!(utc_stamp(0), "19700101T000000Z");
+        // 2026-11-29T10:56:35Z
+        assert_eq!(utc_stamp(1_795_949_795_000_000_000), "20261129T105635Z");
+        assert!(is_round_name("20261129T105635Z-r000001"));
+        assert!(!is_round_name(".tmp-20261129T105635Z-r000001"));
+    }
+}

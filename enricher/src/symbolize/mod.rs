@@ -1,0 +1,239 @@
+//! User-frame symbolization with blazesym, on files the sampler brokered.
+//!
+//! Binaries are cached by identity (build id, else device + inode + size + mtime),
+//! shared by every process that maps them, in a bounded LRU. Each cached binary keeps
+//! its fd open and is known to blazesym as `/proc/self/fd/N`; eviction tells blazesym to
+//! forget that path before the fd (and so the number) is released. A frame that cannot
+//! be symbolized gets no name here, never a guessed one.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use blazesym::symbolize::source::{Elf, Source};
+use blazesym::symbolize::{CodeInfo, Input, Sym, Symbolized};
+use nix::sys::stat::fstat;
+
+use crate::metrics::Metrics;
+
+/// Frames remembered per binary before its frame cache is cleared.
+const MAX_FRAMES_PER_BINARY: usize = 1 << 16;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SymError {
+    #[error("stat of the brokered file: {0}")]
+    Stat(nix::errno::Errno),
+    #[error("reading the ELF file: {0}")]
+    Elf(blazesym::Error),
+}
+
+/// Identity of a binary: its build id when it has one, else the file's identity.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum BinaryId {
+    BuildId(Vec<u8>),
+    File {
+        dev: u64,
+        ino: u64,
+        size: i64,
+        mtime: i64,
+    },
+}
+
+/// One pprof line: a function (possibly inlined) at a source position.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Line {
+    pub function: Arc<str>,
+    pub file: Arc<str>,
+    pub line: u32,
+}
+
+/// The lines of one frame, innermost (most deeply inlined) first, the function that
+/// holds the code last (pprof's order).
+pub type Lines = Arc<[Line]>;
+
+struct Loaded {
+    /// Keeps `/proc/self/fd/N` naming this file while blazesym may open it.
+    _fd: OwnedFd,
+    path: PathBuf,
+    build_id: Option<Vec<u8>>,
+    frames: HashMap<u64, Option<Lines>>,
+}
+
+pub struct Symbolizer {
+    inner: blazesym::symbolize::Symbolizer,
+    binaries: lru::LruCache<BinaryId, Loaded>,
+    by_file: HashMap<(u64, u64), BinaryId>,
+    metrics: Arc<Metrics>,
+}
+
+impl Symbolizer {
+    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Self {
+        let inner = blazesym::symbolize::Symbolizer::builder()
+            // Paths are our own fds, which do not change under us.
+            .enable_auto_reload(false)
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            .enable_demangling(true)
+            .build();
+        Self {
+            inner,
+            binaries: lru::LruCache::new(
+                NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN),
+            ),
+            by_file: HashMap::new(),
+            metrics,
+        }
+    }
+
+    /// The cached binary for a mapping's device and inode, if one is loaded.
+    pub fn lookup_file(&mut self, dev: u64, ino: u64) -> Option<BinaryId> {
+        let id = self.by_file.get(&(dev, ino))?.clone();
+        self.binaries.contains(&id).then_some(id)
+    }
+
+    pub fn build_id(&self, id: &BinaryId) -> Option<&[u8]> {
+        self.binaries.peek(id).and_then(|b| b.build_id.as_deref())
+    }
+
+    pub fn len(&self) -> usize {
+        self.binaries.len()
+    }
+
+    /// Whether `id` is still cached (not evicted).
+    pub fn contains(&self, id: &BinaryId) -> bool {
+        self.binaries.contains(id)
+    }
+
+    /// Adds a brokered file to the cache and returns its identity.
+    pub fn load(&mut self, fd: OwnedFd) -> Result<BinaryId, SymError> {
+        let st = fstat(&fd).map_err(SymError::Stat)?;
+        let path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        let build_id = blazesym::helper::read_elf_build_id(&path)
+            .map_err(|e| {
+                Metrics::inc(&self.metrics.binary_load_errors);
+                SymError::Elf(e)
+            })?
+            .map(|b| b.into_owned());
+        let dev = st.st_dev;
+        let ino = st.st_ino;
+        let id = match &build_id {
+            Some(b) if !b.is_empty() => BinaryId::BuildId(b.clone()),
+            _ => BinaryId::File {
+                dev,
+                ino,
+                size: st.st_size,
+                mtime: st.st_mtime,
+            },
+        };
+        self.by_file.insert((dev, ino), id.clone());
+        if self.binaries.contains(&id) {
+            // The same binary reached through another file (e.g. another container
+            // layer): the cached copy serves, this fd closes.
+            return Ok(id);
+        }
+        Metrics::inc(&self.metrics.binaries_loaded);
+        let loaded = Loaded {
+            _fd: fd,
+            path,
+            build_id,
+            frames: HashMap::new(),
+        };
+        if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
+            if old_id != id {
+                self.evicted(&old_id, old);
+            }
+        }
+        Ok(id)
+    }
+
+    fn evicted(&mut self, id: &BinaryId, old: Loaded) {
+        Metrics::inc(&self.metrics.binaries_evicted);
+        let evict = blazesym::symbolize::evict::Elf::new(old.path.clone());
+        if let Err(e) = self.inner.evict(&evict.into()) {
+            tracing::debug!(error = %e, "blazesym eviction");
+        }
+        self.by_file.retain(|_, v| v != id);
+        drop(old);
+    }
+
+    /// Lines for each file offset (None: no symbol covers it).
+    pub fn symbolize(&mut self, id: &BinaryId, offsets: &[u64]) -> Vec<Option<Lines>> {
+        let Some(bin) = self.binaries.get_mut(id) else {
+            return vec![None; offsets.len()];
+        };
+        let mut misses: Vec<u64> = offsets
+            .iter()
+            .copied()
+            .filter(|o| !bin.frames.contains_key(o))
+            .collect();
+        misses.sort_unstable();
+        misses.dedup();
+        Metrics::add(
+            &self.metrics.symbol_cache_hits,
+            (offsets.len() - misses.len().min(offsets.len())) as u64,
+        );
+        if !misses.is_empty() {
+            Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
+            if bin.frames.len() + misses.len() > MAX_FRAMES_PER_BINARY {
+                bin.frames.clear();
+            }
+            let src = Source::Elf(Elf::new(bin.path.clone()));
+            match self.inner.symbolize(&src, Input::FileOffset(&misses)) {
+                Ok(results) => {
+                    for (off, r) in misses.iter().zip(results) {
+                        let lines = match r {
+                            Symbolized::Sym(sym) => Some(lines_of(&sym)),
+                            Symbolized::Unknown(_) => None,
+                        };
+                        bin.frames.insert(*off, lines);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "symbolization failed for a binary");
+                    for off in &misses {
+                        bin.frames.insert(*off, None);
+                    }
+                }
+            }
+        }
+        offsets
+            .iter()
+            .map(|o| bin.frames.get(o).cloned().flatten())
+            .collect()
+    }
+}
+
+fn file_of(ci: Option<&CodeInfo<'_>>) -> (Arc<str>, u32) {
+    match ci {
+        Some(ci) => (
+            Arc::from(ci.to_path().to_string_lossy().as_ref()),
+            ci.line.unwrap_or(0),
+        ),
+        None => (Arc::from(""), 0),
+    }
+}
+
+/// blazesym reports the function, its code position, and the inlined calls from the
+/// outermost to the innermost, each with the position of its call site. pprof wants
+/// the innermost first: each inlined function at the position of the next call (or,
+/// for the innermost, of the instruction), the real function last.
+fn lines_of(sym: &Sym<'_>) -> Lines {
+    let mut lines = Vec::with_capacity(sym.inlined.len() + 1);
+    let mut position = file_of(sym.code_info.as_deref());
+    for inl in sym.inlined.iter().rev() {
+        lines.push(Line {
+            function: Arc::from(inl.name.as_ref()),
+            file: position.0.clone(),
+            line: position.1,
+        });
+        position = file_of(inl.code_info.as_ref());
+    }
+    lines.push(Line {
+        function: Arc::from(sym.name.as_ref()),
+        file: position.0,
+        line: position.1,
+    });
+    lines.into()
+}
