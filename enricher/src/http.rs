@@ -68,7 +68,7 @@ impl Shared {
                 && !latest.iter().any(|n| n.labels == l.labels)
         });
         g.latest.extend(latest);
-        g.latest.sort_by(|a, b| b.samples.cmp(&a.samples));
+        g.latest.sort_by_key(|l| std::cmp::Reverse(l.samples));
         g.last_batch = Some(SystemTime::now());
         let horizon = now_ns().saturating_sub(MAX_WINDOW.as_nanos() as u64);
         g.recent.push_back(round);
@@ -167,16 +167,13 @@ async fn one(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
     }
 }
 
-fn seconds(q: &HashMap<String, String>, default: u64, max: u64) -> Result<u64, Response> {
+/// The `seconds` parameter, or the message for a 400.
+fn seconds(q: &HashMap<String, String>, default: u64, max: u64) -> Result<u64, String> {
     match q.get("seconds") {
         None => Ok(default),
         Some(v) => match v.parse::<u64>() {
             Ok(n) if (1..=max).contains(&n) => Ok(n),
-            _ => Err((
-                StatusCode::BAD_REQUEST,
-                format!("seconds must be an integer from 1 to {max}\n"),
-            )
-                .into_response()),
+            _ => Err(format!("seconds must be an integer from 1 to {max}\n")),
         },
     }
 }
@@ -188,7 +185,7 @@ async fn host_cpu(
     count(&s);
     let secs = match seconds(&q, 30, MAX_WINDOW.as_secs()) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(msg) => return (StatusCode::BAD_REQUEST, msg).into_response(),
     };
     let matchers: Vec<(String, String)> = q.into_iter().filter(|(k, _)| k != "seconds").collect();
     let now = now_ns();
@@ -230,7 +227,7 @@ async fn self_profile(
     count(&s);
     let secs = match seconds(&q, 30, 300) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(msg) => return (StatusCode::BAD_REQUEST, msg).into_response(),
     };
     if s.profiling.swap(true, Ordering::AcqRel) {
         return (StatusCode::CONFLICT, "a self-profile is already running\n").into_response();

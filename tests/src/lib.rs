@@ -357,3 +357,310 @@ pub fn now_ns() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
 }
+
+/// A running sampler + enricher pair: the sampler as root, the enricher as the
+/// unprivileged test user, profiles in a temp directory.
+pub struct Firn {
+    pub dir: TempDir,
+    pub sampler: Proc,
+    pub enricher: Option<Proc>,
+    pub socket: PathBuf,
+    pub out: PathBuf,
+    pub user: (u32, u32),
+    pub http: String,
+    sampler_args: Vec<String>,
+}
+
+static NEXT_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
+
+/// A free-looking local port per test process and call.
+fn http_port() -> u16 {
+    let base = 17000 + (std::process::id() % 2000) as u16 * 4;
+    base + NEXT_PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 4
+}
+
+impl Firn {
+    pub fn start(tag: &str, sampler_args: &[&str]) -> Firn {
+        let dir = TempDir::new(tag);
+        let user = test_user("firn-test");
+        let socket = dir.path().join("s.sock");
+        let out = dir.path().join("out");
+        std::fs::create_dir_all(&out).unwrap();
+        nix::unistd::chown(
+            &out,
+            Some(nix::unistd::Uid::from_raw(user.0)),
+            Some(nix::unistd::Gid::from_raw(user.1)),
+        )
+        .unwrap();
+        let mut args: Vec<String> = sampler_args.iter().map(|s| s.to_string()).collect();
+        args.extend([
+            "--allow-uid".into(),
+            user.0.to_string(),
+            "--socket-group".into(),
+            user.1.to_string(),
+        ]);
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let sampler = start_sampler(&bin("firn-sampler"), &socket, &a);
+        let mut f = Firn {
+            dir,
+            sampler,
+            enricher: None,
+            socket,
+            out,
+            user,
+            http: String::new(),
+            sampler_args: args,
+        };
+        f.start_enricher(&[]);
+        f
+    }
+
+    /// Starts (or restarts) the enricher as the test user.
+    pub fn start_enricher(&mut self, extra: &[&str]) {
+        let port = http_port();
+        self.http = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new("setpriv");
+        cmd.arg(format!("--reuid={}", self.user.0))
+            .arg(format!("--regid={}", self.user.1))
+            .arg("--clear-groups")
+            .arg("--inh-caps=-all")
+            .arg(bin("firn-enricher"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .arg("--output-dir")
+            .arg(&self.out)
+            .arg("--http-address")
+            .arg(&self.http)
+            .args(extra)
+            .env("FIRN_LOG", "info");
+        let p = Proc::spawn("enricher", cmd);
+        assert!(
+            p.wait_for("connected to the sampler", Duration::from_secs(20))
+                .is_some(),
+            "enricher did not connect: {:#?}",
+            p.lines()
+        );
+        self.enricher = Some(p);
+    }
+
+    /// Restarts the sampler with the same flags (after it was killed).
+    pub fn restart_sampler(&mut self) {
+        let a: Vec<&str> = self.sampler_args.iter().map(String::as_str).collect();
+        self.sampler = start_sampler(&bin("firn-sampler"), &self.socket, &a);
+    }
+
+    /// Profile files (all rounds) whose index labels have pid == `pid`.
+    pub fn profiles_of(&self, pid: u32) -> Vec<PathBuf> {
+        index_entries(&self.out)
+            .into_iter()
+            .filter(|(_, labels)| labels["pid"].as_str() == Some(pid.to_string().as_str()))
+            .map(|(p, _)| p)
+            .collect()
+    }
+
+    /// Waits until `pid` has profiles in at least `rounds` rounds.
+    pub fn wait_profiles(&self, pid: u32, rounds: usize, timeout: Duration) -> Vec<PathBuf> {
+        let t0 = Instant::now();
+        loop {
+            let p = self.profiles_of(pid);
+            if p.len() >= rounds || t0.elapsed() > timeout {
+                return p;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    pub fn get(&self, path: &str) -> (u16, Vec<u8>) {
+        http_get(&self.http, path)
+    }
+
+    pub fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = self.get("/metrics");
+        String::from_utf8_lossy(&body).lines().find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == name).then(|| v.trim().parse().ok()).flatten()
+        })
+    }
+}
+
+/// Every (file, labels) of every round's index.jsonl under `out`.
+pub fn index_entries(out: &Path) -> Vec<(PathBuf, Value)> {
+    let mut v = Vec::new();
+    let Ok(rd) = std::fs::read_dir(out) else {
+        return v;
+    };
+    let mut dirs: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for d in dirs {
+        let Ok(text) = std::fs::read_to_string(d.join("index.jsonl")) else {
+            continue;
+        };
+        for line in text.lines() {
+            if let Ok(e) = serde_json::from_str::<Value>(line) {
+                if let Some(f) = e["file"].as_str() {
+                    v.push((d.join(f), e["labels"].clone()));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A minimal HTTP/1.1 GET on loopback: (status, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return (0, Vec::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    );
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let Some(split) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return (0, buf);
+    };
+    let head = String::from_utf8_lossy(&buf[..split]).to_string();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    (status, body)
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        let start = nl + 2;
+        out.extend_from_slice(&b[start..(start + size).min(b.len())]);
+        b = &b[(start + size + 2).min(b.len())..];
+    }
+    out
+}
+
+/// `go tool pprof ARGS FILES…` (Debian's golang-go): the reference pprof reader.
+pub fn go_pprof(args: &[&str], files: &[PathBuf]) -> String {
+    let cache = repo_root().join("target/go-cache");
+    let out = Command::new("go")
+        .arg("tool")
+        .arg("pprof")
+        .args(args)
+        .args(files)
+        .env("GOCACHE", &cache)
+        .env("GOPATH", repo_root().join("target/go-path"))
+        .env("HOME", repo_root().join("target"))
+        .output()
+        .expect("go (apt-get install golang-go)");
+    assert!(
+        out.status.success(),
+        "go tool pprof failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// `-traces` output as (count, frames leaf first).
+pub fn parse_traces(text: &str) -> Vec<(u64, Vec<String>)> {
+    let mut out: Vec<(u64, Vec<String>)> = Vec::new();
+    for block in text.split("-----------+-------------------------------------------------------") {
+        let mut cur: Option<(u64, Vec<String>)> = None;
+        for line in block.lines() {
+            // Label lines look like "       pid:  123"; frame lines are indented
+            // past the count column.
+            let t = line.trim();
+            if t.is_empty() || (line.len() > 11 && line[..11].contains(':')) {
+                continue;
+            }
+            if let Some((n, f)) = t.split_once(char::is_whitespace) {
+                if let Ok(n) = n.trim().parse::<u64>() {
+                    cur = Some((n, vec![f.trim().to_string()]));
+                    continue;
+                }
+            }
+            if let Some(c) = cur.as_mut() {
+                c.1.push(t.to_string());
+            }
+        }
+        if let Some(c) = cur {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Builds a Go workload under tests/workloads/NAME with Debian's go, once.
+pub fn go_workload(name: &str) -> PathBuf {
+    let src = repo_root().join("tests/workloads").join(name);
+    let out = repo_root().join("target/workloads").join(name);
+    if !out.exists() {
+        std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+        let status = Command::new("go")
+            .args(["build", "-o"])
+            .arg(&out)
+            .arg(".")
+            .current_dir(&src)
+            .env("GOCACHE", repo_root().join("target/go-cache"))
+            .env("GOPATH", repo_root().join("target/go-path"))
+            .env("HOME", repo_root().join("target"))
+            .env("GOFLAGS", "-mod=mod")
+            .env("GOPROXY", "off")
+            .status()
+            .expect("go (apt-get install golang-go)");
+        assert!(status.success(), "go build {name}");
+    }
+    out
+}
+
+/// Compiles a C/C++ source with clang (frame pointers), with extra flags, once.
+pub fn compile(src_name: &str, out_name: &str, flags: &[&str]) -> PathBuf {
+    let src = repo_root().join("tests/workloads").join(src_name);
+    let out_dir = repo_root().join("target/workloads");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let out = out_dir.join(out_name);
+    let fresh = match (std::fs::metadata(&src), std::fs::metadata(&out)) {
+        (Ok(s), Ok(o)) => o.modified().ok() >= s.modified().ok(),
+        _ => false,
+    };
+    if !fresh {
+        let cc = if src_name.ends_with(".cpp") {
+            "clang++"
+        } else {
+            "clang"
+        };
+        let tmp = out_dir.join(format!("{out_name}.tmp{}", std::process::id()));
+        let status = Command::new(cc)
+            .args([
+                "-O2",
+                "-g",
+                "-fno-omit-frame-pointer",
+                "-mno-omit-leaf-frame-pointer",
+            ])
+            .args(flags)
+            .arg("-o")
+            .arg(&tmp)
+            .arg(&src)
+            .status()
+            .expect("clang must be installed");
+        assert!(status.success(), "compiling {}", src.display());
+        std::fs::rename(&tmp, &out).unwrap();
+    }
+    out
+}

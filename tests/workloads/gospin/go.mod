@@ -1,0 +1,3 @@
+module firn.test/gospin
+
+go 1.19
