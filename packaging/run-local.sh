@@ -2,7 +2,9 @@
 # Profiles this machine with firn: installs what is missing (Debian), builds release
 # binaries, creates the unprivileged user `firn`, starts the sampler as root (it drops
 # its privileges after setup) and the enricher as `firn` over a socket in a private
-# runtime directory. Ctrl-C stops both.
+# runtime directory. Profiles land in $FIRN_STATE_DIR/profiles (default
+# /var/lib/firn/profiles), the web view on http://127.0.0.1:7071/. Ctrl-C stops both.
+# Arguments go to the sampler (e.g. --frequency 99 --round 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,10 +64,16 @@ for _ in $(seq 100); do
     kill -0 "$sampler" 2>/dev/null || { echo "the sampler failed to start" >&2; exit 1; }
     sleep 0.1
 done
-cd "$state"
+http=${FIRN_HTTP_ADDRESS:-127.0.0.1:7071}
 setpriv --reuid="$uid" --regid="$gid" --clear-groups --inh-caps=-all \
-    "$OLDPWD/$bin/firn-enricher" --socket "$socket" &
+    "$bin/firn-enricher" --socket "$socket" --output-dir "$state/profiles" --http-address "$http" &
 enricher=$!
-echo "firn is running: sampler pid $sampler (root, confined), enricher pid $enricher (user $user)"
-echo "socket: $socket; Ctrl-C stops both"
+cat <<MSG
+firn is running: sampler pid $sampler (root, confined to CAP_SYS_PTRACE + seccomp),
+enricher pid $enricher (user $user, no capabilities).
+  profiles:  $state/profiles/<UTC time>-r<round>/pid-<pid>.pb.gz (index.jsonl lists labels)
+  web view:  http://$http/profiles   metrics: http://$http/metrics
+  whole host, last minute:  go tool pprof -http=: 'http://$http/pprof/cpu?seconds=60'
+Ctrl-C stops both.
+MSG
 wait -n "$sampler" "$enricher" || true
