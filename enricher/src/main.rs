@@ -1,20 +1,8 @@
 //! firn-enricher: subscribes to the sampler, symbolizes, encodes pprof, writes the
 //! local sink and serves HTTP. Unprivileged by design.
 
-mod batch;
-mod broker;
-mod cli;
-mod client;
-mod enrich;
-mod http;
-mod metrics;
-mod processes;
-mod profile;
-mod sinks;
-mod summary;
-mod symbolize;
+use firn_enricher::{cli, client, http, summary, symbolize};
 
-use std::collections::HashMap;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -23,12 +11,11 @@ use std::sync::Arc;
 use clap::Parser;
 use tokio::sync::mpsc;
 
-use crate::broker::Broker;
-use crate::client::Event;
-use crate::enrich::{Enricher, Round};
-use crate::metrics::Metrics;
-use crate::profile::LabelSet;
-use crate::sinks::local::{Item, LocalSink, Settings};
+use firn_enricher::broker::Broker;
+use firn_enricher::client::Event;
+use firn_enricher::enrich::{Enricher, Round};
+use firn_enricher::metrics::Metrics;
+use firn_enricher::sinks::local::{Item, LocalSink, Settings};
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();
@@ -130,6 +117,8 @@ async fn run(args: cli::Args) -> ExitCode {
     };
     let mut printer = summary::Printer::new(true, 5);
     let mut broker: Option<Rc<Broker>> = None;
+    // The sampler counts drops per subscription, cumulatively; this is the last count.
+    let mut session_dropped = 0u64;
     loop {
         let ev = tokio::select! {
             ev = rx.recv() => match ev {
@@ -152,13 +141,15 @@ async fn run(args: cli::Args) -> ExitCode {
                     g.round_seconds = info.round_seconds;
                 }
                 broker = b;
+                session_dropped = 0;
             }
             Event::Disconnected => broker = None,
             Event::Batch(batch) => {
                 Metrics::add(
                     &metrics.batches_dropped_upstream,
-                    batch.dropped_batches.saturating_sub(last_dropped(&metrics)),
+                    batch.dropped_batches.saturating_sub(session_dropped),
                 );
+                session_dropped = batch.dropped_batches;
                 if let Ok(mut s) = metrics.sampler.lock() {
                     *s = batch.counters.clone();
                 }
@@ -171,54 +162,31 @@ async fn run(args: cli::Args) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// The sampler reports drops for this subscriber cumulatively; count the increase.
-fn last_dropped(m: &Metrics) -> u64 {
-    m.batches_dropped_upstream.load(Ordering::Relaxed)
-}
-
 /// One pprof per label set (per process for now), to disk and to the HTTP view.
 fn write(round: Round, sink: &mut LocalSink, http: &http::Shared, metrics: &Metrics) {
-    let mut groups: HashMap<Arc<LabelSet>, Vec<usize>> = HashMap::new();
-    for (i, s) in round.stacks.iter().enumerate() {
-        groups.entry(s.labels.clone()).or_default().push(i);
-    }
-    let mut items = Vec::with_capacity(groups.len());
-    let mut latest = Vec::with_capacity(groups.len());
-    for (labels, idx) in groups {
-        let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
-        for (k, v) in labels.iter() {
-            b.comment(&format!("{k}={v}"));
-        }
-        for i in idx {
-            b.add(&round.stacks[i]);
-        }
-        let p = b.finish();
-        let samples = profile::sample_count(&p);
-        let gz = match profile::encode_gz(&p) {
-            Ok(gz) => Arc::new(gz),
-            Err(e) => {
-                tracing::warn!(error = %e, "encoding a profile");
-                continue;
-            }
-        };
-        let pid = labels
+    let encoded = firn_enricher::encode::per_label_set(&round);
+    let mut items = Vec::with_capacity(encoded.len());
+    let mut latest = Vec::with_capacity(encoded.len());
+    for e in encoded {
+        let pid = e
+            .labels
             .iter()
             .find(|(k, _)| k == "pid")
             .map_or("0", |(_, v)| v.as_str());
         let name = format!("pid-{pid}.pb.gz");
-        let id = format!("r{}-{}", round.round, name.trim_end_matches(".pb.gz"));
-        items.push(Item {
-            labels: labels.clone(),
-            samples,
-            gz: gz.clone(),
-            name,
-        });
+        let id = format!("r{}-pid-{pid}", round.round);
         latest.push(http::Latest {
             id,
-            labels,
-            samples,
+            labels: e.labels.clone(),
+            samples: e.samples,
             round: round.round,
-            gz,
+            gz: e.gz.clone(),
+        });
+        items.push(Item {
+            labels: e.labels,
+            samples: e.samples,
+            gz: e.gz,
+            name,
         });
     }
     sink.write_round(round.round, round.start_ns, &items);

@@ -123,4 +123,8 @@ impl ProcessTable {
     pub fn len(&self) -> usize {
         self.by_id.len()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
 }

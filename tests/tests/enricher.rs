@@ -215,11 +215,17 @@ fn broker_resolves_inside_the_root_and_checks_identity() {
     std::fs::copy(&busy, t.join("elsewhere/ns-busy")).unwrap();
     let t = t.display();
     let b = busy.display();
+    // Each binary's path is then covered by a bind mount: the path the process maps
+    // (and /proc/<pid>/maps keeps showing) leads to something else. d1's cover holds an
+    // absolute symlink to a path only the host has; d3's cover holds another copy (other
+    // inode) under the same name.
     let mut ns = in_mount_ns(&format!(
-        "mount -t tmpfs none {t} && mkdir {t}/d1 {t}/d3 && cp {b} {t}/d1/ns-busy && cp {b} {t}/d3/ns-busy && \
-         ({t}/d1/ns-busy 14 &) && ({t}/d3/ns-busy 14 &) && sleep 5 && \
-         mv {t}/d1 {t}/d2 && ln -s {t}/elsewhere {t}/d1 && \
-         cp {b} {t}/d3/new && mv {t}/d3/new {t}/d3/ns-busy && echo rearranged && sleep 12"
+        "mount -t tmpfs none {t} && mkdir {t}/d1 {t}/d3 {t}/cover1 {t}/cover3 && \
+         cp {b} {t}/d1/ns-busy && cp {b} {t}/d3/ns-busy && \
+         ({t}/d1/ns-busy 14 &) && ({t}/d3/ns-busy 14 &) && sleep 4 && \
+         ln -s {t}/elsewhere/ns-busy {t}/cover1/ns-busy && cp {b} {t}/cover3/ns-busy && \
+         mount --bind {t}/cover1 {t}/d1 && mount --bind {t}/cover3 {t}/d3 && \
+         echo rearranged && sleep 12"
     ));
     let line = ns
         .wait_for("rearranged", 30 * SECS)
@@ -236,7 +242,7 @@ fn broker_resolves_inside_the_root_and_checks_identity() {
     std::thread::sleep(3 * SECS);
     // Through the absolute symlink: the sampler resolved it inside the namespace's root,
     // where it leads nowhere (refused as gone), not to the host's copy (which would
-    // have been an identity mismatch). The replaced file: identity mismatch.
+    // have been an identity mismatch). The covered file: identity mismatch.
     let (_, body) = f.get("/metrics");
     let m = String::from_utf8_lossy(&body).to_string();
     let val = |k: &str| {

@@ -101,6 +101,10 @@ impl Symbolizer {
         self.binaries.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.binaries.is_empty()
+    }
+
     /// Whether `id` is still cached (not evicted).
     pub fn contains(&self, id: &BinaryId) -> bool {
         self.binaries.contains(id)

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Sampler overhead benchmark (run as root): `sudo python3 tests/bench/sampler_bench.py`.
+"""firn overhead benchmark (run as root): `sudo python3 tests/bench/firn_bench.py`.
 
-Runs the clang-built busy workload on every CPU, interleaving runs without the sampler
-(A) and with it (B: sampler + a subscribed enricher), and reports per B run: sampler
-CPU time as a share of one core, sampler peak RSS, BPF program cost per sample
-(kernel.bpf_stats_enabled run_time_ns / run_cnt, read from the sampler's prog fdinfo),
-samples captured vs expected, and workload throughput as a ratio to the A runs of the
-same session. Medians with min-max. Writes target/bench/sampler.json and rewrites the
-sampler section of BENCHMARKS.md.
+Runs the clang-built busy workload on every CPU, interleaving runs without firn (A)
+and with it (B: the sampler and the real enricher in its default configuration,
+writing profiles of every process to a temporary directory, running as an
+unprivileged user), and reports per B run: CPU time of each as a share of one core,
+their RSS, the BPF program's cost per sample (kernel.bpf_stats_enabled run_time_ns /
+run_cnt, read from the sampler's prog fdinfo), samples captured vs expected (from the
+sampler's counter and the workload's profiles), and workload throughput as a ratio to
+the A runs of the same session. Medians with min-max. Writes target/bench/sampler.json
+and rewrites the firn section of BENCHMARKS.md.
 """
 import argparse
 import json
@@ -87,47 +89,71 @@ def run_a(exe, seconds):
     return {"throughput": finish_workload(p)}
 
 
+def bench_user():
+    """The unprivileged user the enricher runs as (created if missing)."""
+    name = "firn-bench"
+    if subprocess.run(["id", name], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "--user-group", name], check=True)
+    uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True).stdout)
+    gid = int(subprocess.run(["id", "-g", name], capture_output=True, text=True).stdout)
+    return uid, gid
+
+
 def run_b(exe, seconds, freq, rnd):
     tmp = tempfile.mkdtemp(prefix="firn-bench-")
+    os.chmod(tmp, 0o755)
+    uid, gid = bench_user()
     sock = os.path.join(tmp, "s.sock")
+    out = os.path.join(tmp, "profiles")
+    os.mkdir(out)
+    os.chown(out, uid, gid)
     log = open(os.path.join(tmp, "sampler.log"), "w")
     sampler = subprocess.Popen([str(BIN / "firn-sampler"), "--socket", sock, "--frequency", str(freq),
-                                "--round", str(rnd)], stderr=log)
+                                "--round", str(rnd), "--allow-uid", str(uid), "--socket-group", str(gid)],
+                               stderr=log)
     for _ in range(200):
         if os.path.exists(sock):
             break
         time.sleep(0.05)
-    dump_path = os.path.join(tmp, "dump.jsonl")
-    dump = subprocess.Popen([str(BIN / "firn-enricher"), "--allow-root", "--socket", sock, "--dump"],
-                            stdout=open(dump_path, "w"), stderr=subprocess.DEVNULL)
-    time.sleep(rnd + 0.5)  # first round delivered: steady state
-    c0, (ns0, n0) = cpu_seconds(sampler.pid), bpf_stats(sampler.pid)
+    enricher = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                                 str(BIN / "firn-enricher"), "--socket", sock, "--output-dir", out,
+                                 "--http-address", "127.0.0.1:17999"],
+                                stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "enricher.log"), "w"))
+    time.sleep(2 * rnd + 0.5)  # first rounds handled (binaries loaded): steady state
+    pids = [sampler.pid, enricher.pid]
+    c0, (ns0, n0) = [cpu_seconds(p) for p in pids], bpf_stats(sampler.pid)
     t0 = time.time()
     w, wpid = run_workload(exe, seconds)
     throughput = finish_workload(w)
     wall = time.time() - t0
-    c1, (ns1, n1) = cpu_seconds(sampler.pid), bpf_stats(sampler.pid)
-    rss_peak = status_kib(sampler.pid, "VmHWM")
-    rss_now = status_kib(sampler.pid, "VmRSS")
-    time.sleep(rnd + 1)  # the round holding the workload's end
-    sampler.terminate()
-    sampler.wait()
-    dump.terminate()
-    dump.wait()
+    c1, (ns1, n1) = [cpu_seconds(p) for p in pids], bpf_stats(sampler.pid)
+    rss = [status_kib(p, "VmRSS") for p in pids]
+    hwm = [status_kib(p, "VmHWM") for p in pids]
+    time.sleep(rnd + 2)  # the round holding the workload's end
+    for p in (enricher, sampler):
+        p.terminate()
+        p.wait()
     captured = 0
-    with open(dump_path) as f:
-        for line in f:
-            if not line.startswith('{"batch"'):
-                continue
-            for s in json.loads(line)["batch"]["samples"]:
-                if s["pid"] == wpid:
-                    captured += s["count"]
+    for d in sorted(os.listdir(out)):
+        try:
+            index = open(os.path.join(out, d, "index.jsonl")).read().splitlines()
+        except OSError:
+            continue
+        for line in index:
+            e = json.loads(line)
+            if e["labels"].get("pid") == str(wpid):
+                captured += e["samples"]
+    subprocess.run(["rm", "-rf", tmp])
     expected = freq * seconds * os.cpu_count()
     return {
         "throughput": throughput,
-        "sampler_cpu_share_of_core": (c1 - c0) / wall,
-        "sampler_rss_peak_kib": rss_peak,
-        "sampler_rss_kib": rss_now,
+        "sampler_cpu_share_of_core": (c1[0] - c0[0]) / wall,
+        "enricher_cpu_share_of_core": (c1[1] - c0[1]) / wall,
+        "sampler_rss_peak_kib": hwm[0],
+        "sampler_rss_kib": rss[0],
+        "enricher_rss_peak_kib": hwm[1],
+        "enricher_rss_kib": rss[1],
         "bpf_ns_per_sample": (ns1 - ns0) / max(1, n1 - n0),
         "bpf_runs": n1 - n0,
         "captured": captured,
@@ -153,7 +179,7 @@ def main():
     ap.add_argument("--no-update", action="store_true", help="do not rewrite BENCHMARKS.md")
     args = ap.parse_args()
     if os.geteuid() != 0:
-        sys.exit("needs root: sudo python3 tests/bench/sampler_bench.py")
+        sys.exit("needs root: sudo python3 tests/bench/firn_bench.py")
     exe = build()
     old = open("/proc/sys/kernel/bpf_stats_enabled").read().strip()
     open("/proc/sys/kernel/bpf_stats_enabled", "w").write("1")
@@ -177,6 +203,9 @@ def main():
             "sampler_cpu_percent_of_core": med([100 * r["sampler_cpu_share_of_core"] for r in b]),
             "sampler_rss_peak_mib": med([r["sampler_rss_peak_kib"] / 1024 for r in b]),
             "sampler_rss_mib": med([r["sampler_rss_kib"] / 1024 for r in b]),
+            "enricher_cpu_percent_of_core": med([100 * r["enricher_cpu_share_of_core"] for r in b]),
+            "enricher_rss_mib": med([r["enricher_rss_kib"] / 1024 for r in b]),
+            "enricher_rss_peak_mib": med([r["enricher_rss_peak_kib"] / 1024 for r in b]),
             "bpf_ns_per_sample": med([r["bpf_ns_per_sample"] for r in b]),
             "captured_vs_expected": med([r["captured"] / r["expected"] for r in b]),
         },
@@ -196,14 +225,17 @@ def main():
         f"| sampler CPU, % of one core | {fmt(s['sampler_cpu_percent_of_core'], '{:.3f}')} | ≤ 0.05 |",
         f"| sampler steady RSS (VmRSS), MiB | {fmt(s['sampler_rss_mib'], '{:.1f}')} | ≤ 8 |",
         f"| sampler peak RSS incl. setup (VmHWM), MiB | {fmt(s['sampler_rss_peak_mib'], '{:.1f}')} | – |",
+        f"| enricher CPU, % of one core | {fmt(s['enricher_cpu_percent_of_core'], '{:.3f}')} | ≤ 0.5 |",
+        f"| enricher steady RSS (VmRSS), MiB | {fmt(s['enricher_rss_mib'], '{:.1f}')} | ≤ 64 |",
+        f"| enricher peak RSS (VmHWM), MiB | {fmt(s['enricher_rss_peak_mib'], '{:.1f}')} | – |",
         f"| BPF cost per sample, ns | {fmt(s['bpf_ns_per_sample'], '{:.0f}')} | reported |",
-        f"| samples captured / expected (Hz × s × CPUs) | {fmt(s['captured_vs_expected'], '{:.3f}')} | ≈ 1 |",
+        f"| workload samples in its profiles / (Hz × s × CPUs) | {fmt(s['captured_vs_expected'], '{:.3f}')} | ≈ 1 |",
     ])
     print(table)
     if not args.no_update:
         bm = ROOT / "BENCHMARKS.md"
         text = bm.read_text()
-        start, end = "<!-- sampler-bench:start -->", "<!-- sampler-bench:end -->"
+        start, end = "<!-- firn-bench:start -->", "<!-- firn-bench:end -->"
         i, j = text.index(start) + len(start), text.index(end)
         bm.write_text(text[:i] + "\n" + table + "\n" + text[j:])
         print(f"updated {bm}")

@@ -1,0 +1,16 @@
+//! firn-enricher as a library: the binary (`src/main.rs`) wires these stages together;
+//! the benchmarks drive them directly.
+
+pub mod batch;
+pub mod broker;
+pub mod cli;
+pub mod client;
+pub mod encode;
+pub mod enrich;
+pub mod http;
+pub mod metrics;
+pub mod processes;
+pub mod profile;
+pub mod sinks;
+pub mod summary;
+pub mod symbolize;
