@@ -55,6 +55,9 @@ pub struct Builder {
     p: Profile,
     strings: HashMap<Arc<str>, i64>,
     mappings: HashMap<Arc<MappingSpec>, u64>,
+    /// The mapping of the previous user frame: most frames of a stack share it, and
+    /// comparing pointers is far cheaper than hashing the spec.
+    last_mapping: Option<(Arc<MappingSpec>, u64)>,
     kernel_mapping: Option<u64>,
     functions: HashMap<(i64, i64), u64>,
     user_locations: HashMap<(u64, u64), u64>,
@@ -71,6 +74,7 @@ impl Builder {
             p: Profile::default(),
             strings: HashMap::new(),
             mappings: HashMap::new(),
+            last_mapping: None,
             kernel_mapping: None,
             functions: HashMap::new(),
             user_locations: HashMap::new(),
@@ -132,7 +136,13 @@ impl Builder {
     }
 
     fn mapping(&mut self, m: &Arc<MappingSpec>) -> u64 {
+        if let Some((last, id)) = &self.last_mapping {
+            if Arc::ptr_eq(last, m) {
+                return *id;
+            }
+        }
         if let Some(&id) = self.mappings.get(m) {
+            self.last_mapping = Some((m.clone(), id));
             return id;
         }
         let id = self.p.mapping.len() as u64 + 1;

@@ -44,6 +44,7 @@ counters! {
     connections_peer_unknown: "connections refused: peer credentials unreadable",
     protocol_mismatches: "requests with another protocol version",
     bad_requests: "malformed or unexpected requests (connection closed)",
+    protocol_errors: "connections closed for unreadable or over-limit messages",
     subscriptions: "subscriptions started",
     batches_queued: "batches put into subscriber queues",
     batches_sent: "batches delivered to subscribers",

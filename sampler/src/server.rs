@@ -350,7 +350,8 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
     tokio::select! {
         res = rpc.map(|r| r) => {
             if let Err(e) = res {
-                tracing::debug!(error = %e, "connection ended with an error");
+                bump(&shared.counters.protocol_errors);
+                tracing::warn!(error = %e, "connection closed: unreadable or over-limit message");
             }
         }
         _ = conn.kill.notified() => {}

@@ -507,3 +507,45 @@ fn clear_errors_for_bad_setup() {
     assert!(ok.wait_for("\"connected\"", 10 * SECS).is_some());
     sampler.stop();
 }
+
+#[test]
+fn garbage_from_a_peer_closes_only_that_connection() {
+    if !can_run_bpf() {
+        return;
+    }
+    use std::io::{Read, Write};
+    let dir = TempDir::new("garbage");
+    let sock = dir.path().join("s.sock");
+    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--round", "1"]);
+    let good = start_dump(&sock, None, &[]);
+    assert!(good.wait_for("\"connected\"", 10 * SECS).is_some());
+    // Not a Cap'n Proto message: a segment table claiming 2^31 segments.
+    let mut bad = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    bad.set_read_timeout(Some(10 * SECS)).unwrap();
+    bad.write_all(&[0xff; 64]).unwrap();
+    let mut buf = [0u8; 64];
+    // The sampler may answer with an Abort message first; then EOF or a reset means
+    // closed, a timeout means still open.
+    let closed = loop {
+        match bad.read(&mut buf) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(e) => {
+                break !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                )
+            }
+        }
+    };
+    assert!(closed, "the sampler kept a connection that sent garbage");
+    let before = batches(&good).len();
+    let after = wait_batches(&good, before + 2, 10 * SECS);
+    assert!(
+        after.len() >= before + 2,
+        "the good subscriber stopped receiving"
+    );
+    assert!(counter(after.last().unwrap(), "protocol_errors").unwrap() >= 1);
+    assert!(sampler.child.try_wait().unwrap().is_none());
+    sampler.stop();
+}
