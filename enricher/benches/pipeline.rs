@@ -116,6 +116,7 @@ fn bench(c: &mut Criterion) {
         let stack_samples: Vec<StackSample> = st
             .iter()
             .map(|frames| StackSample {
+                process_id: 1,
                 labels: labels.clone(),
                 frames: frames
                     .iter()

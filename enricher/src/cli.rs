@@ -49,6 +49,19 @@ pub struct Args {
     #[arg(long, env = "FIRN_NODE")]
     pub node: Option<String>,
 
+    /// What one profile covers: each process, each container, or each distinct final
+    /// label set (processes whose labels are equal after relabeling merge).
+    #[arg(long, env = "FIRN_PROFILE_BY", value_enum, default_value_t = crate::encode::ProfileBy::Process)]
+    pub profile_by: crate::encode::ProfileBy,
+
+    /// YAML config: any setting below by its name (`output_dir`, `retention_size`, …),
+    /// plus `relabel_configs` (Prometheus semantics over the `__meta_*` labels; replaces
+    /// the built-in set) and `external_labels`. Flags and FIRN_* variables win over it.
+    /// SIGHUP reloads relabeling and external labels; an invalid file is refused at
+    /// start and ignored (with a log line) on reload.
+    #[arg(long, env = "FIRN_CONFIG")]
+    pub config: Option<PathBuf>,
+
     /// Print every batch as one JSON line on stdout instead of writing profiles
     /// (debugging the stream).
     #[arg(long)]

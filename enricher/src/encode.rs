@@ -13,19 +13,64 @@ pub struct Encoded {
     pub gz: Arc<Vec<u8>>,
 }
 
-pub fn per_label_set(round: &Round) -> Vec<Encoded> {
-    let mut groups: HashMap<Arc<LabelSet>, Vec<usize>> = HashMap::new();
+/// What one profile covers (`--profile-by`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProfileBy {
+    /// One profile per process.
+    #[default]
+    Process,
+    /// One per container: processes of a container merge (labels naming a process —
+    /// pid, comm, executable — are left out).
+    Container,
+    /// One per final label set: processes with equal labels merge.
+    Labels,
+}
+
+const PROCESS_LABELS: &[&str] = &["pid", "comm", "executable", "thread_id", "thread_name"];
+
+pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
+    let mut groups: HashMap<(Arc<LabelSet>, u64), Vec<usize>> = HashMap::new();
+    let mut reduced: HashMap<Arc<LabelSet>, Arc<LabelSet>> = HashMap::new();
     for (i, s) in round.stacks.iter().enumerate() {
-        groups.entry(s.labels.clone()).or_default().push(i);
+        let key = match by {
+            ProfileBy::Process => (s.labels.clone(), s.process_id),
+            ProfileBy::Labels => (s.labels.clone(), 0),
+            ProfileBy::Container => {
+                let l = reduced
+                    .entry(s.labels.clone())
+                    .or_insert_with(|| {
+                        Arc::new(
+                            s.labels
+                                .iter()
+                                .filter(|(k, _)| !PROCESS_LABELS.contains(&k.as_str()))
+                                .cloned()
+                                .collect(),
+                        )
+                    })
+                    .clone();
+                (l, 0)
+            }
+        };
+        groups.entry(key).or_default().push(i);
     }
     let mut out = Vec::with_capacity(groups.len());
-    for (labels, idx) in groups {
+    for ((labels, _), idx) in groups {
         let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));
         }
         for i in idx {
-            b.add(&round.stacks[i]);
+            let s = &round.stacks[i];
+            if Arc::ptr_eq(&s.labels, &labels) {
+                b.add(s);
+            } else {
+                // Merged group: the samples carry the group's labels.
+                b.add(&profile::StackSample {
+                    labels: labels.clone(),
+                    ..s.clone()
+                });
+            }
         }
         let p = b.finish();
         let samples = profile::sample_count(&p);

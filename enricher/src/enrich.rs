@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use crate::batch::{Batch, Stack};
 use crate::broker::{Broker, BrokerError};
+use crate::labels::{Extra, Labeler};
 use crate::metrics::Metrics;
 use crate::processes::{Binary, Entry, ProcessTable};
 use crate::profile::{Frame, LabelSet, MappingSpec, StackSample};
@@ -28,8 +29,9 @@ pub struct Round {
 pub struct Enricher {
     pub processes: ProcessTable,
     pub symbolizer: Symbolizer,
+    pub labeler: Labeler,
     metrics: Arc<Metrics>,
-    node: String,
+    session: u64,
 }
 
 fn hex(b: &[u8]) -> String {
@@ -41,18 +43,13 @@ fn dev_of(m: &crate::batch::Mapping) -> u64 {
 }
 
 impl Enricher {
-    pub fn new(symbolizer: Symbolizer, metrics: Arc<Metrics>, node: String) -> Self {
+    pub fn new(symbolizer: Symbolizer, labeler: Labeler, metrics: Arc<Metrics>) -> Self {
         Self {
             processes: ProcessTable::default(),
             symbolizer,
+            labeler,
             metrics,
-            node,
-        }
-    }
-
-    pub fn set_node(&mut self, node: &str) {
-        if self.node.is_empty() {
-            self.node = node.to_string();
+            session: 0,
         }
     }
 
@@ -123,27 +120,25 @@ impl Enricher {
         }
     }
 
-    fn labels(&self, e: Option<&Entry>, pid: u32, comm: &str) -> LabelSet {
-        let mut l: LabelSet = vec![
-            (
-                "comm".into(),
-                e.map_or(comm, |e| e.record.comm.as_str()).to_string(),
-            ),
-            ("node".into(), self.node.clone()),
-            ("pid".into(), pid.to_string()),
-        ];
-        if let Some(e) = e {
-            let exe = e.executable();
-            if !exe.is_empty() {
-                l.push(("executable".into(), exe.to_string()));
-            }
-        }
-        l.sort();
-        l
+    /// Build id (hex) of the process's main executable, once its binary is loaded.
+    fn exe_build_id(&self, e: &Entry) -> Option<String> {
+        let exe = e.record.exe.as_str();
+        e.record
+            .mappings
+            .iter()
+            .position(|m| m.path == exe)
+            .and_then(|i| match &e.binaries[i] {
+                Binary::Known(id) => self.symbolizer.build_id(id).map(hex),
+                _ => None,
+            })
     }
 
     pub async fn handle(&mut self, batch: Batch, broker: Option<&Broker>) -> Round {
         let m = self.metrics.clone();
+        if batch.session_id != self.session {
+            self.session = batch.session_id;
+            self.labeler.clear();
+        }
         self.processes.set_session(batch.session_id);
         let records = batch.processes.clone();
         self.processes.update(records, batch.round);
@@ -178,7 +173,7 @@ impl Enricher {
         }
 
         // Pass 2: stacks with labels.
-        let mut label_sets: HashMap<u64, Arc<LabelSet>> = HashMap::new();
+        let mut label_sets: HashMap<u64, Option<Arc<LabelSet>>> = HashMap::new();
         let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
         let kernel_names: Vec<Arc<str>> = batch
             .kernel_symbols
@@ -192,10 +187,27 @@ impl Enricher {
             if entry.is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
             }
-            let labels = label_sets
-                .entry(s.process_id)
-                .or_insert_with(|| Arc::new(self.labels(entry, s.pid, &s.comm)))
-                .clone();
+            let labels = match label_sets.get(&s.process_id) {
+                Some(l) => l.clone(),
+                None => {
+                    let extra = Extra {
+                        comm: &s.comm,
+                        executable_build_id: entry.and_then(|e| self.exe_build_id(e)),
+                    };
+                    let l =
+                        self.labeler
+                            .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
+                    if l.is_none() {
+                        Metrics::inc(&m.processes_dropped_by_relabel);
+                    }
+                    label_sets.insert(s.process_id, l.clone());
+                    l
+                }
+            };
+            let Some(labels) = labels else {
+                Metrics::add(&m.samples_dropped_by_relabel, s.count);
+                continue;
+            };
             let mut frames: Vec<Frame> = s
                 .kernel_frames
                 .iter()
@@ -265,12 +277,16 @@ impl Enricher {
                 frames.push(Frame::Kernel(Arc::from(why)));
             }
             stacks.push(StackSample {
+                process_id: s.process_id,
                 labels,
                 frames: frames.into(),
                 count: s.count,
             });
         }
         self.processes.forget(&batch.forgotten_processes);
+        for id in &batch.forgotten_processes {
+            self.labeler.forget(*id);
+        }
         m.processes_known.store(
             self.processes.len() as u64,
             std::sync::atomic::Ordering::Relaxed,

@@ -1,14 +1,14 @@
 //! firn-enricher: subscribes to the sampler, symbolizes, encodes pprof, writes the
 //! local sink and serves HTTP. Unprivileged by design.
 
-use firn_enricher::{cli, client, http, summary, symbolize};
+use firn_enricher::labels::{Labeler, System};
+use firn_enricher::{cli, client, config, http, summary, symbolize};
 
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use clap::Parser;
 use tokio::sync::mpsc;
 
 use firn_enricher::broker::Broker;
@@ -18,7 +18,30 @@ use firn_enricher::metrics::Metrics;
 use firn_enricher::sinks::local::{Item, LocalSink, Settings};
 
 fn main() -> ExitCode {
-    let args = cli::Args::parse();
+    let matches = <cli::Args as clap::CommandFactory>::command().get_matches();
+    let mut args = match <cli::Args as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(a) => a,
+        Err(e) => e.exit(),
+    };
+    let labeling = match args.config.clone() {
+        Some(path) => match config::load(&path) {
+            Ok((file, labeling)) => {
+                config::apply(&mut args, &matches, &file);
+                labeling
+            }
+            Err(e) => {
+                eprintln!("firn-enricher: invalid config: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => match config::labeling(&config::FileConfig::default()) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("firn-enricher: built-in relabel set: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    };
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt()
@@ -46,7 +69,7 @@ fn main() -> ExitCode {
         }
     };
     let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, run(args))
+    local.block_on(&rt, run(args, labeling))
 }
 
 /// Each cached binary holds an fd: take the hard limit as the soft one.
@@ -57,7 +80,7 @@ fn raise_fd_limit() {
     }
 }
 
-async fn run(args: cli::Args) -> ExitCode {
+async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
     let metrics = Arc::new(Metrics::default());
     let (tx, mut rx) = mpsc::channel(4);
     let mut client = tokio::task::spawn_local(client::run(
@@ -66,10 +89,14 @@ async fn run(args: cli::Args) -> ExitCode {
         tx,
         metrics.clone(),
     ));
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "SIGTERM handler");
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut hup) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) {
+        (Ok(t), Ok(h)) => (t, h),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::error!(error = %e, "signal handlers");
             return ExitCode::FAILURE;
         }
     };
@@ -106,14 +133,12 @@ async fn run(args: cli::Args) -> ExitCode {
             "writing profiles"
         );
         let symbolizer = symbolize::Symbolizer::new(args.symbol_cache as usize, metrics.clone());
-        Some((
-            Enricher::new(
-                symbolizer,
-                metrics.clone(),
-                args.node.clone().unwrap_or_default(),
-            ),
-            sink,
-        ))
+        let labeler = Labeler::new(
+            labeling.rules,
+            labeling.external,
+            System::detect(args.node.as_deref().unwrap_or_default()),
+        );
+        Some((Enricher::new(symbolizer, labeler, metrics.clone()), sink))
     };
     let mut printer = summary::Printer::new(true, 5);
     let mut broker: Option<Rc<Broker>> = None;
@@ -129,6 +154,10 @@ async fn run(args: cli::Args) -> ExitCode {
             res = &mut client => return fatal(res),
             _ = term.recv() => break,
             _ = tokio::signal::ctrl_c() => break,
+            _ = hup.recv() => {
+                reload(&args, pipeline.as_mut().map(|p| &mut p.0), &metrics);
+                continue;
+            }
         };
         let Some((enricher, sink)) = pipeline.as_mut() else {
             printer.event(&ev);
@@ -136,7 +165,7 @@ async fn run(args: cli::Args) -> ExitCode {
         };
         match ev {
             Event::Connected(info, b) => {
-                enricher.set_node(&info.node);
+                enricher.labeler.set_node(&info.node);
                 if let Ok(mut g) = http.inner.lock() {
                     g.round_seconds = info.round_seconds;
                 }
@@ -154,7 +183,7 @@ async fn run(args: cli::Args) -> ExitCode {
                     *s = batch.counters.clone();
                 }
                 let round = enricher.handle(batch, broker.as_deref()).await;
-                write(round, sink, &http, &metrics);
+                write(round, args.profile_by, sink, &http, &metrics);
             }
         }
     }
@@ -163,8 +192,14 @@ async fn run(args: cli::Args) -> ExitCode {
 }
 
 /// One pprof per label set (per process for now), to disk and to the HTTP view.
-fn write(round: Round, sink: &mut LocalSink, http: &http::Shared, metrics: &Metrics) {
-    let encoded = firn_enricher::encode::per_label_set(&round);
+fn write(
+    round: Round,
+    by: firn_enricher::encode::ProfileBy,
+    sink: &mut LocalSink,
+    http: &http::Shared,
+    metrics: &Metrics,
+) {
+    let encoded = firn_enricher::encode::per_label_set(&round, by);
     let mut items = Vec::with_capacity(encoded.len());
     let mut latest = Vec::with_capacity(encoded.len());
     for e in encoded {
@@ -206,4 +241,30 @@ fn fatal(res: Result<client::ClientError, tokio::task::JoinError>) -> ExitCode {
         Err(e) => tracing::error!(error = %e, "the sampler client stopped"),
     }
     ExitCode::from(3)
+}
+
+/// SIGHUP: reads the config file again. Relabeling and external labels change at once;
+/// an invalid file changes nothing and says why.
+fn reload(args: &cli::Args, enricher: Option<&mut Enricher>, metrics: &Metrics) {
+    let Some(path) = &args.config else {
+        tracing::info!("SIGHUP: no --config file to reload");
+        return;
+    };
+    match config::load(path) {
+        Ok((_, labeling)) => {
+            if let Some(e) = enricher {
+                e.labeler.reconfigure(labeling.rules, labeling.external);
+            }
+            Metrics::inc(&metrics.config_reloads);
+            tracing::info!(
+                path = %path.display(),
+                "config reloaded: relabeling and external labels apply from the next round; \
+                 other settings need a restart"
+            );
+        }
+        Err(e) => {
+            Metrics::inc(&metrics.config_reload_errors);
+            tracing::warn!(error = %e, "config reload refused; the previous config stays in force");
+        }
+    }
 }

@@ -64,6 +64,8 @@ metrics! {
     batches_dropped_upstream: "batches the sampler dropped for this enricher (its queue was full)",
     samples_received: "sample counts received (sum of sample weights)",
     samples_without_process: "samples whose process record is unknown (encoded with comm only)",
+    processes_dropped_by_relabel: "process label sets dropped by a keep or drop rule",
+    samples_dropped_by_relabel: "samples of processes dropped by a keep or drop rule",
     frames_symbolized: "user frames given a function name",
     frames_unsymbolized_no_mapping: "user frames outside every known mapping (kept as address)",
     frames_unsymbolized_no_binary: "user frames whose binary could not be obtained (kept as address)",
@@ -82,6 +84,8 @@ metrics! {
     sink_disk_full: "rounds skipped because the output disk was nearly full",
     sink_retention_removed: "round folders removed by retention",
     http_requests: "HTTP requests served",
+    config_reloads: "config files reloaded on SIGHUP",
+    config_reload_errors: "SIGHUP reloads refused (invalid file; previous config kept)",
 }
 
 impl Metrics {

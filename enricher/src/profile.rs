@@ -41,6 +41,8 @@ pub type LabelSet = Vec<(String, String)>;
 /// One stack of one label set with its sample count.
 #[derive(Debug, Clone)]
 pub struct StackSample {
+    /// The sampler's id of the process (profiles per process group by it).
+    pub process_id: u64,
     pub labels: Arc<LabelSet>,
     /// Leaf first.
     pub frames: Arc<[Frame]>,

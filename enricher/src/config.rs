@@ -1,0 +1,159 @@
+//! The YAML config file (`--config`): every flag's setting plus `relabel_configs` and
+//! `external_labels`. Precedence: command-line flag, then its `FIRN_<FLAG>` environment
+//! variable, then the file, then the default. `SIGHUP` reloads the file; what can
+//! change at run time (relabeling, external labels) does, the rest waits for a restart.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use clap::parser::ValueSource;
+use clap::ArgMatches;
+use serde::Deserialize;
+
+use crate::cli::{self, Args};
+use crate::encode::ProfileBy;
+use crate::labels::relabel::{self, Rule, RuleConfig};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// The file's schema: flag names with `_` for `-`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub socket: Option<PathBuf>,
+    pub output_dir: Option<PathBuf>,
+    pub retention_size: Option<String>,
+    pub retention_age: Option<String>,
+    pub min_free: Option<String>,
+    pub http_address: Option<std::net::SocketAddr>,
+    pub symbol_cache: Option<u32>,
+    pub node: Option<String>,
+    pub profile_by: Option<ProfileBy>,
+    pub log: Option<String>,
+    pub relabel_configs: Option<Vec<RuleConfig>>,
+    #[serde(default)]
+    pub external_labels: BTreeMap<String, String>,
+}
+
+/// What relabeling runs with: compiled rules and external labels.
+pub struct Labeling {
+    pub rules: Vec<Rule>,
+    pub external: Vec<(String, String)>,
+}
+
+fn invalid(path: &Path, message: String) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_path_buf(),
+        message,
+    }
+}
+
+/// Line (1-based) of the first line of `text` containing `needle`.
+fn line_of(text: &str, needle: &str) -> Option<usize> {
+    text.lines().position(|l| l.contains(needle)).map(|i| i + 1)
+}
+
+pub fn load(path: &Path) -> Result<(FileConfig, Labeling), ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // serde_yaml names the unknown key or the wrong type with its line and column.
+    let file: FileConfig = if text.trim().is_empty() {
+        FileConfig::default()
+    } else {
+        serde_yaml::from_str(&text).map_err(|e| invalid(path, e.to_string()))?
+    };
+    let labeling = labeling(&file).map_err(|e| {
+        let at = match &e {
+            relabel::RelabelError::Regex { regex, .. } => line_of(&text, regex),
+            _ => line_of(&text, "relabel_configs"),
+        };
+        invalid(
+            path,
+            match at {
+                Some(l) => format!("{e} (line {l})"),
+                None => e.to_string(),
+            },
+        )
+    })?;
+    for (name, key) in [
+        ("retention_size", &file.retention_size),
+        ("min_free", &file.min_free),
+    ] {
+        if let Some(v) = key {
+            cli::parse_bytes(v).map_err(|m| {
+                invalid(
+                    path,
+                    format!("{name}: {m} (line {})", line_of(&text, name).unwrap_or(0)),
+                )
+            })?;
+        }
+    }
+    if let Some(v) = &file.retention_age {
+        cli::parse_duration(v).map_err(|m| {
+            invalid(
+                path,
+                format!(
+                    "retention_age: {m} (line {})",
+                    line_of(&text, "retention_age").unwrap_or(0)
+                ),
+            )
+        })?;
+    }
+    Ok((file, labeling))
+}
+
+pub fn labeling(file: &FileConfig) -> Result<Labeling, relabel::RelabelError> {
+    let rules = match &file.relabel_configs {
+        Some(r) => relabel::compile(r)?,
+        None => relabel::compile(&crate::labels::default_rules())?,
+    };
+    Ok(Labeling {
+        rules,
+        external: file.external_labels.clone().into_iter().collect(),
+    })
+}
+
+/// Fills every setting the command line and environment left at its default from the
+/// file. The values were validated by [`load`].
+pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
+    let default = |id: &str| matches!(m.value_source(id), None | Some(ValueSource::DefaultValue));
+    macro_rules! take {
+        ($field:ident) => {
+            if default(stringify!($field)) {
+                if let Some(v) = file.$field.clone() {
+                    args.$field = v;
+                }
+            }
+        };
+        ($field:ident, $parse:expr) => {
+            if default(stringify!($field)) {
+                if let Some(v) = file.$field.as_deref().and_then(|v| $parse(v).ok()) {
+                    args.$field = v;
+                }
+            }
+        };
+    }
+    take!(socket);
+    take!(output_dir);
+    take!(http_address);
+    take!(symbol_cache);
+    take!(profile_by);
+    take!(log);
+    take!(retention_size, cli::parse_bytes);
+    take!(min_free, cli::parse_bytes);
+    take!(retention_age, cli::parse_duration);
+    if default("node") && file.node.is_some() {
+        args.node = file.node.clone();
+    }
+}

@@ -1,0 +1,181 @@
+//! Labels: meta labels from the process record, the system and the cgroup path,
+//! Prometheus relabeling, then the visible label set. Results are cached per process
+//! (and mapping version) and recomputed when the config changes.
+
+pub mod cgroup;
+pub mod relabel;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::batch::Process;
+use crate::profile::LabelSet;
+use relabel::{Labels, Rule, RuleConfig};
+
+/// The built-in relabel set: the visible labels users filter and sum by. A user
+/// `relabel_configs` replaces it.
+pub const DEFAULT_RULES: &str = r#"
+- {source_labels: [__meta_process_pid], target_label: pid}
+- {source_labels: [__meta_process_comm], target_label: comm}
+- {source_labels: [__meta_process_executable_name], target_label: executable}
+- {source_labels: [__meta_systemd_unit], target_label: systemd_unit}
+- {source_labels: [__meta_container_id], target_label: container_id}
+- {source_labels: [__meta_kubernetes_namespace], target_label: namespace}
+- {source_labels: [__meta_kubernetes_pod_name], target_label: pod}
+- {source_labels: [__meta_kubernetes_pod_container_name], target_label: container}
+"#;
+
+pub fn default_rules() -> Vec<RuleConfig> {
+    serde_yaml::from_str(DEFAULT_RULES).unwrap_or_default()
+}
+
+/// Facts about the machine, fixed for the enricher's life.
+#[derive(Debug, Clone, Default)]
+pub struct System {
+    pub node: String,
+    pub kernel_release: String,
+    pub machine: String,
+}
+
+impl System {
+    pub fn detect(node: &str) -> Self {
+        let (release, machine) = nix::sys::utsname::uname()
+            .map(|u| {
+                (
+                    u.release().to_string_lossy().into_owned(),
+                    u.machine().to_string_lossy().into_owned(),
+                )
+            })
+            .unwrap_or_default();
+        Self {
+            node: node.to_string(),
+            kernel_release: release,
+            machine,
+        }
+    }
+}
+
+/// What the labeler needs of a process beyond its record.
+pub struct Extra<'a> {
+    pub comm: &'a str,
+    pub executable_build_id: Option<String>,
+}
+
+pub struct Labeler {
+    rules: Vec<Rule>,
+    external: Vec<(String, String)>,
+    pub system: System,
+    cache: HashMap<(u64, u32), Option<Arc<LabelSet>>>,
+}
+
+impl Labeler {
+    pub fn new(rules: Vec<Rule>, external: Vec<(String, String)>, system: System) -> Self {
+        Self {
+            rules,
+            external,
+            system,
+            cache: HashMap::new(),
+        }
+    }
+
+    /// New rules and external labels (config reload): every cached result goes.
+    pub fn reconfigure(&mut self, rules: Vec<Rule>, external: Vec<(String, String)>) {
+        self.rules = rules;
+        self.external = external;
+        self.cache.clear();
+    }
+
+    pub fn set_node(&mut self, node: &str) {
+        if self.system.node.is_empty() {
+            self.system.node = node.to_string();
+            self.cache.clear();
+        }
+    }
+
+    pub fn forget(&mut self, process_id: u64) {
+        self.cache.retain(|k, _| k.0 != process_id);
+    }
+
+    pub fn clear(&mut self) {
+        self.cache.clear();
+    }
+
+    /// The final label set of a process, or None when relabeling dropped it.
+    pub fn labels(
+        &mut self,
+        process_id: u64,
+        p: Option<&Process>,
+        pid: u32,
+        extra: Extra<'_>,
+    ) -> Option<Arc<LabelSet>> {
+        let key = (process_id, p.map_or(0, |p| p.mappings_version));
+        if let Some(v) = self.cache.get(&key) {
+            return v.clone();
+        }
+        let meta = self.meta(p, pid, &extra);
+        let out = relabel::apply(&self.rules, meta).map(|l| {
+            let mut l = relabel::finish(l);
+            for (k, v) in &self.external {
+                l.entry(k.clone()).or_insert_with(|| v.clone());
+            }
+            Arc::new(l.into_iter().collect::<LabelSet>())
+        });
+        if self.cache.len() > 65_536 {
+            self.cache.clear();
+        }
+        self.cache.insert(key, out.clone());
+        out
+    }
+
+    /// Every meta label known for a process, plus `node`.
+    pub fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> Labels {
+        let mut m = Labels::new();
+        let mut set = |k: &str, v: String| {
+            if !v.is_empty() {
+                m.insert(k.to_string(), v);
+            }
+        };
+        set("node", self.system.node.clone());
+        set(
+            "__meta_system_kernel_release",
+            self.system.kernel_release.clone(),
+        );
+        set("__meta_system_kernel_machine", self.system.machine.clone());
+        set(
+            "__meta_agent_revision",
+            env!("CARGO_PKG_VERSION").to_string(),
+        );
+        set("__meta_process_pid", pid.to_string());
+        set(
+            "__meta_process_comm",
+            p.map_or(extra.comm, |p| p.comm.as_str()).to_string(),
+        );
+        if let Some(p) = p {
+            set("__meta_process_ppid", p.ppid.to_string());
+            set("__meta_process_cmdline", p.cmdline.join(" "));
+            let exe = p.exe.trim_end_matches(" (deleted)");
+            set(
+                "__meta_process_executable_name",
+                exe.rsplit('/').next().unwrap_or(exe).to_string(),
+            );
+            let f = cgroup::facts(&p.cgroup);
+            set("__meta_process_cgroup", f.path.clone());
+            set(
+                "__meta_systemd_unit",
+                f.systemd_unit.clone().unwrap_or_default(),
+            );
+            set(
+                "__meta_container_id",
+                f.container_id.clone().unwrap_or_default(),
+            );
+            set(
+                "__meta_container_runtime",
+                f.runtime.unwrap_or_default().to_string(),
+            );
+        }
+        if let Some(b) = &extra.executable_build_id {
+            set("__meta_process_executable_build_id", b.clone());
+        }
+        m
+    }
+}

@@ -1,0 +1,288 @@
+//! Labels end to end (issue: labels): cgroup-derived labels of real processes in real
+//! cgroups, relabeling in the running enricher, and the config file.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
+
+/// A cgroup hierarchy this machine lets us create groups in: the unified (v2) one,
+/// mounted alone or beside v1 (hybrid).
+fn cgroup_root() -> PathBuf {
+    for p in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
+        if Path::new(p).join("cgroup.procs").exists()
+            && Path::new(p).join("cgroup.controllers").exists()
+        {
+            return PathBuf::from(p);
+        }
+    }
+    panic!("no cgroup v2 hierarchy found under /sys/fs/cgroup");
+}
+
+/// Creates the nested cgroup `rel` and removes it (innermost first) on drop.
+struct Cgroup {
+    dirs: Vec<PathBuf>,
+}
+
+impl Cgroup {
+    fn create(rel: &str) -> Cgroup {
+        let mut dirs = Vec::new();
+        let mut p = cgroup_root();
+        for seg in rel.split('/') {
+            p = p.join(seg);
+            if !p.exists() {
+                std::fs::create_dir(&p).unwrap_or_else(|e| panic!("mkdir {}: {e}", p.display()));
+                dirs.push(p.clone());
+            }
+        }
+        Cgroup { dirs }
+    }
+
+    fn procs(&self) -> PathBuf {
+        self.dirs.last().expect("a new cgroup").join("cgroup.procs")
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        for d in self.dirs.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// Runs the busy workload inside cgroup `cg` for `secs`, returns its pid after exit.
+fn busy_in(cg: &Cgroup, secs: u32) -> u32 {
+    let script = format!(
+        "echo $$ > '{}' && exec '{}' {secs}",
+        cg.procs().display(),
+        workload("busy").display()
+    );
+    let mut p = Proc::spawn("cg-workload", {
+        let mut c = Command::new("sh");
+        c.args(["-c", &script]);
+        c
+    });
+    let line = p.wait_for("ready", 10 * SECS).expect("workload started");
+    let pid = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    p.wait_exit(Duration::from_secs(u64::from(secs) + 20))
+        .unwrap();
+    pid
+}
+
+fn labels_of(f: &Firn, pid: u32) -> Value {
+    index_entries(&f.out)
+        .into_iter()
+        .find(|(_, l)| l["pid"].as_str() == Some(pid.to_string().as_str()))
+        .map(|(_, l)| l)
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn container_and_systemd_labels_from_real_cgroups() {
+    if !can_run_bpf() {
+        return;
+    }
+    let f = Firn::start("cg", FAST);
+    let id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let pod = "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod11111111_2222_3333_4444_555555555555.slice";
+    let c = Cgroup::create(&format!("{pod}/cri-containerd-{id}.scope"));
+    let pid = busy_in(&c, 4);
+    let s = Cgroup::create("system.slice/firn-test-a\\x2db.service");
+    let spid = busy_in(&s, 4);
+    f.wait_profiles(spid, 2, 15 * SECS);
+    let l = labels_of(&f, pid);
+    assert_eq!(l["container_id"], id, "{l}");
+    assert!(l.get("systemd_unit").is_none(), "{l}");
+    let l = labels_of(&f, spid);
+    assert_eq!(l["systemd_unit"], "firn-test-a\\x2db.service", "{l}");
+    assert!(l.get("container_id").is_none(), "{l}");
+    assert_eq!(l["executable"], "busy");
+    assert_eq!(l["comm"], "busy");
+}
+
+#[test]
+fn relabel_drop_removes_profiles_and_counts() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("drop", FAST);
+    f.enricher.take().map(|mut e| e.stop());
+    let cfg = f.dir.path().join("firn.yaml");
+    std::fs::write(
+        &cfg,
+        "relabel_configs:\n\
+         - {source_labels: [__meta_process_executable_name], regex: busy, action: drop}\n\
+         - {source_labels: [__meta_process_pid], target_label: pid}\n\
+         - {source_labels: [__meta_process_comm], target_label: comm}\n\
+         external_labels: {cluster: test}\n",
+    )
+    .unwrap();
+    f.start_enricher(&["--config", cfg.to_str().unwrap()]);
+    let mut w = start_workload(&workload("busy"), &["4"]);
+    let pid = w.pid();
+    w.wait_exit(20 * SECS).unwrap();
+    std::thread::sleep(5 * SECS);
+    assert!(
+        f.profiles_of(pid).is_empty(),
+        "a dropped process still has profiles"
+    );
+    assert!(
+        f.metric("firn_enricher_processes_dropped_by_relabel_total")
+            .unwrap()
+            >= 1.0
+    );
+    assert!(
+        f.metric("firn_enricher_samples_dropped_by_relabel_total")
+            .unwrap()
+            >= 1.0
+    );
+    // Others are kept, with the external label and without the meta labels.
+    let any = index_entries(&f.out);
+    let (_, l) = any.first().expect("other processes profiled");
+    assert_eq!(l["cluster"], "test");
+    assert!(
+        l.as_object().unwrap().keys().all(|k| !k.starts_with("__")),
+        "{l}"
+    );
+}
+
+fn enricher_with_config(cfg: &Path, extra: &[&str]) -> std::process::Output {
+    Command::new(bin("firn-enricher"))
+        .args([
+            "--allow-root",
+            "--socket",
+            "/nonexistent/s.sock",
+            "--config",
+        ])
+        .arg(cfg)
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn config_errors_name_key_and_line() {
+    if !bin("firn-enricher").exists() {
+        panic!("build the release binaries first");
+    }
+    let dir = TempDir::new("cfg");
+    let cases = [
+        ("output_dir: /tmp/x\noutput_dirr: /tmp/y\n", &["output_dirr", "line 2"][..]),
+        ("symbol_cache: lots\n", &["symbol_cache", "line 1"][..]),
+        (
+            "relabel_configs:\n  - source_labels: [a]\n    regex: '(unclosed'\n    target_label: b\n",
+            &["invalid regex", "(unclosed", "line 3"][..],
+        ),
+        ("retention_size: 12 parsecs\n", &["retention_size", "line 1"][..]),
+    ];
+    for (text, want) in cases {
+        let cfg = dir.path().join("bad.yaml");
+        std::fs::write(&cfg, text).unwrap();
+        let out = enricher_with_config(&cfg, &[]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{text}: {err}");
+        for w in want {
+            assert!(err.contains(w), "{text}: error lacks {w:?}: {err}");
+        }
+    }
+}
+
+#[test]
+fn flags_win_and_sighup_keeps_a_good_config() {
+    let dir = TempDir::new("hup");
+    let cfg = dir.path().join("firn.yaml");
+    let from_file = dir.path().join("from-file");
+    let from_flag = dir.path().join("from-flag");
+    std::fs::write(
+        &cfg,
+        format!(
+            "output_dir: {}\nhttp_address: 127.0.0.1:17650\n",
+            from_file.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = Command::new(bin("firn-enricher"));
+    cmd.args([
+        "--allow-root",
+        "--socket",
+        "/nonexistent/s.sock",
+        "--config",
+    ])
+    .arg(&cfg)
+    .arg("--output-dir")
+    .arg(&from_flag);
+    let p = Proc::spawn("enricher", cmd);
+    let line = p.wait_for("writing profiles", 10 * SECS).expect("started");
+    assert!(
+        line.contains(from_flag.to_str().unwrap()),
+        "the flag did not win: {line}"
+    );
+    assert!(
+        line.contains("17650"),
+        "the file's http_address was not used: {line}"
+    );
+    // A bad file on SIGHUP: refused, the old config stays.
+    std::fs::write(&cfg, "relabel_configs: [{action: explode}]\n").unwrap();
+    p.signal(nix::sys::signal::Signal::SIGHUP);
+    assert!(p.wait_for("config reload refused", 10 * SECS).is_some());
+    assert_eq!(
+        http_get("127.0.0.1:17650", "/healthz").0,
+        200,
+        "enricher died on a bad reload"
+    );
+    // A good file: taken.
+    std::fs::write(&cfg, "external_labels: {cluster: b}\n").unwrap();
+    p.signal(nix::sys::signal::Signal::SIGHUP);
+    assert!(p.wait_for("config reloaded", 10 * SECS).is_some());
+    let (_, m) = http_get("127.0.0.1:17650", "/metrics");
+    let m = String::from_utf8_lossy(&m);
+    assert!(
+        m.contains("firn_enricher_config_reload_errors_total 1"),
+        "{m}"
+    );
+    assert!(m.contains("firn_enricher_config_reloads_total 1"), "{m}");
+}
+
+#[test]
+fn profile_by_container_merges_processes() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("byc", FAST);
+    f.enricher.take().map(|mut e| e.stop());
+    f.start_enricher(&["--profile-by", "container"]);
+    let id = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210";
+    let c = Cgroup::create(&format!("system.slice/docker-{id}.scope"));
+    // Two processes of the same container, one after the other.
+    busy_in(&c, 3);
+    busy_in(&c, 3);
+    std::thread::sleep(5 * SECS);
+    let entries: Vec<Value> = index_entries(&f.out)
+        .into_iter()
+        .map(|(_, l)| l)
+        .filter(|l| l["container_id"].as_str() == Some(id))
+        .collect();
+    assert!(!entries.is_empty(), "no profile for the container");
+    for l in &entries {
+        assert!(
+            l.get("pid").is_none() && l.get("comm").is_none(),
+            "process labels in a container profile: {l}"
+        );
+        assert_eq!(l["systemd_unit"], format!("docker-{id}.scope"));
+    }
+    // One profile per round for the container, never one per process.
+    let mut rounds = std::collections::HashMap::new();
+    for (file, l) in index_entries(&f.out) {
+        if l["container_id"].as_str() == Some(id) {
+            *rounds
+                .entry(file.parent().unwrap().to_path_buf())
+                .or_insert(0) += 1;
+        }
+    }
+    assert!(rounds.values().all(|&n| n == 1), "{rounds:?}");
+}
