@@ -62,9 +62,20 @@ pub struct Args {
     #[arg(long, env = "FIRN_CONFIG")]
     pub config: Option<PathBuf>,
 
+    /// Label processes with Kubernetes metadata (namespace, pod, container, pod labels
+    /// and annotations) by watching the pods of this node (`--node`, default the host
+    /// name). On by default inside a cluster (KUBERNETES_SERVICE_HOST set).
+    #[arg(long, env = "FIRN_KUBERNETES")]
+    pub kubernetes: bool,
+
+    /// kubeconfig to reach the API server; default: the in-cluster service account,
+    /// else KUBECONFIG or ~/.kube/config.
+    #[arg(long, env = "FIRN_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
     /// Print every batch as one JSON line on stdout instead of writing profiles
     /// (debugging the stream).
-    #[arg(long)]
+    #[arg(long, env = "FIRN_DUMP")]
     pub dump: bool,
 
     /// Allow running as uid 0. The enricher parses untrusted input (binaries, metadata,

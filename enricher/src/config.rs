@@ -38,6 +38,8 @@ pub struct FileConfig {
     pub symbol_cache: Option<u32>,
     pub node: Option<String>,
     pub profile_by: Option<ProfileBy>,
+    pub kubernetes: Option<bool>,
+    pub kubeconfig: Option<PathBuf>,
     pub log: Option<String>,
     pub relabel_configs: Option<Vec<RuleConfig>>,
     #[serde(default)]
@@ -150,6 +152,10 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take!(symbol_cache);
     take!(profile_by);
     take!(log);
+    take!(kubernetes);
+    if default("kubeconfig") && file.kubeconfig.is_some() {
+        args.kubeconfig = file.kubeconfig.clone();
+    }
     take!(retention_size, cli::parse_bytes);
     take!(min_free, cli::parse_bytes);
     take!(retention_age, cli::parse_duration);

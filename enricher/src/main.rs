@@ -133,11 +133,14 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
             "writing profiles"
         );
         let symbolizer = symbolize::Symbolizer::new(args.symbol_cache as usize, metrics.clone());
-        let labeler = Labeler::new(
+        let mut labeler = Labeler::new(
             labeling.rules,
             labeling.external,
             System::detect(args.node.as_deref().unwrap_or_default()),
         );
+        if args.kubernetes || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+            start_kubernetes(&args, &mut labeler, &metrics).await;
+        }
         Some((Enricher::new(symbolizer, labeler, metrics.clone()), sink))
     };
     let mut printer = summary::Printer::new(true, 5);
@@ -266,5 +269,30 @@ fn reload(args: &cli::Args, enricher: Option<&mut Enricher>, metrics: &Metrics) 
             Metrics::inc(&metrics.config_reload_errors);
             tracing::warn!(error = %e, "config reload refused; the previous config stays in force");
         }
+    }
+}
+
+/// Starts the pod watch of this node; profiling goes on without it if it cannot start.
+async fn start_kubernetes(args: &cli::Args, labeler: &mut Labeler, metrics: &Arc<Metrics>) {
+    use firn_enricher::labels::kubernetes;
+    let node = match &args.node {
+        Some(n) => n.clone(),
+        None => nix::unistd::gethostname()
+            .map(|h| h.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    };
+    match kubernetes::client(args.kubeconfig.as_deref()).await {
+        Ok(client) => {
+            let index = kubernetes::SharedIndex::default();
+            labeler.set_pods(index.clone(), metrics.clone());
+            tokio::spawn(kubernetes::watch(
+                client,
+                node.clone(),
+                index,
+                metrics.clone(),
+            ));
+            tracing::info!(node = %node, "watching this node's pods for Kubernetes labels");
+        }
+        Err(e) => tracing::error!(error = %e, "Kubernetes metadata is off"),
     }
 }

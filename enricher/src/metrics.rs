@@ -18,6 +18,8 @@ macro_rules! metrics {
             pub processes_known: AtomicU64,
             /// Binaries in the symbol cache (gauge).
             pub binaries_cached: AtomicU64,
+            /// Pods of this node known from the Kubernetes API (gauge).
+            pub kubernetes_pods: AtomicU64,
         }
 
         impl Metrics {
@@ -34,6 +36,7 @@ macro_rules! metrics {
                 for (name, help, v) in [
                     ("processes_known", "Processes in the enricher's table.", &self.processes_known),
                     ("binaries_cached", "Binaries in the symbol cache.", &self.binaries_cached),
+                    ("kubernetes_pods", "Pods of this node known from the Kubernetes API.", &self.kubernetes_pods),
                 ] {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
                     let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
@@ -85,6 +88,8 @@ metrics! {
     sink_retention_removed: "round folders removed by retention",
     http_requests: "HTTP requests served",
     config_reloads: "config files reloaded on SIGHUP",
+    kubernetes_watch_errors: "Kubernetes pod watch errors (the watch resumes with backoff)",
+    kubernetes_pending: "label sets computed while a container's pod was not yet known (retried next round)",
     config_reload_errors: "SIGHUP reloads refused (invalid file; previous config kept)",
 }
 

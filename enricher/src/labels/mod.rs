@@ -3,6 +3,7 @@
 //! (and mapping version) and recomputed when the config changes.
 
 pub mod cgroup;
+pub mod kubernetes;
 pub mod relabel;
 
 use std::collections::HashMap;
@@ -65,7 +66,10 @@ pub struct Labeler {
     rules: Vec<Rule>,
     external: Vec<(String, String)>,
     pub system: System,
-    cache: HashMap<(u64, u32), Option<Arc<LabelSet>>>,
+    cache: HashMap<(u64, u32, bool), Option<Arc<LabelSet>>>,
+    /// Pods of this node, when Kubernetes metadata is on.
+    pods: Option<kubernetes::SharedIndex>,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Labeler {
@@ -75,7 +79,20 @@ impl Labeler {
             external,
             system,
             cache: HashMap::new(),
+            pods: None,
+            metrics: None,
         }
+    }
+
+    /// Turns Kubernetes metadata on: containers are looked up in `pods`.
+    pub fn set_pods(
+        &mut self,
+        pods: kubernetes::SharedIndex,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) {
+        self.pods = Some(pods);
+        self.metrics = Some(metrics);
+        self.cache.clear();
     }
 
     /// New rules and external labels (config reload): every cached result goes.
@@ -108,11 +125,15 @@ impl Labeler {
         pid: u32,
         extra: Extra<'_>,
     ) -> Option<Arc<LabelSet>> {
-        let key = (process_id, p.map_or(0, |p| p.mappings_version));
+        let key = (
+            process_id,
+            p.map_or(0, |p| p.mappings_version),
+            extra.executable_build_id.is_some(),
+        );
         if let Some(v) = self.cache.get(&key) {
             return v.clone();
         }
-        let meta = self.meta(p, pid, &extra);
+        let (meta, complete) = self.meta(p, pid, &extra);
         let out = relabel::apply(&self.rules, meta).map(|l| {
             let mut l = relabel::finish(l);
             for (k, v) in &self.external {
@@ -120,6 +141,14 @@ impl Labeler {
             }
             Arc::new(l.into_iter().collect::<LabelSet>())
         });
+        if !complete {
+            // The container's pod is not known yet: labelled without it this round, and
+            // computed again next round rather than cached.
+            if let Some(m) = &self.metrics {
+                crate::metrics::Metrics::inc(&m.kubernetes_pending);
+            }
+            return out;
+        }
         if self.cache.len() > 65_536 {
             self.cache.clear();
         }
@@ -127,8 +156,10 @@ impl Labeler {
         out
     }
 
-    /// Every meta label known for a process, plus `node`.
-    pub fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> Labels {
+    /// Every meta label known for a process, plus `node`; false when a container's
+    /// pod is not (yet) known.
+    pub fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> (Labels, bool) {
+        let mut complete = true;
         let mut m = Labels::new();
         let mut set = |k: &str, v: String| {
             if !v.is_empty() {
@@ -172,10 +203,17 @@ impl Labeler {
                 "__meta_container_runtime",
                 f.runtime.unwrap_or_default().to_string(),
             );
+            if let (Some(id), Some(pods)) = (&f.container_id, &self.pods) {
+                match pods.lock().ok().and_then(|idx| idx.lookup(id)) {
+                    Some(c) => kubernetes::meta_labels(&c, &mut m),
+                    // Only a container of a pod is expected in the API.
+                    None => complete = f.pod_uid.is_none(),
+                }
+            }
         }
         if let Some(b) = &extra.executable_build_id {
-            set("__meta_process_executable_build_id", b.clone());
+            m.insert("__meta_process_executable_build_id".into(), b.clone());
         }
-        m
+        (m, complete)
     }
 }
