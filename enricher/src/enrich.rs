@@ -120,17 +120,26 @@ impl Enricher {
         }
     }
 
-    /// Build id (hex) of the process's main executable, once its binary is loaded.
-    fn exe_build_id(&self, e: &Entry) -> Option<String> {
+    /// Build id (hex) and strippedness of the process's main executable, once its
+    /// binary is loaded.
+    fn exe_facts(&self, e: &Entry) -> (Option<String>, Option<bool>) {
         let exe = e.record.exe.as_str();
-        e.record
+        let id = e
+            .record
             .mappings
             .iter()
             .position(|m| m.path == exe)
             .and_then(|i| match &e.binaries[i] {
-                Binary::Known(id) => self.symbolizer.build_id(id).map(hex),
+                Binary::Known(id) => Some(id),
                 _ => None,
-            })
+            });
+        match id {
+            Some(id) => (
+                self.symbolizer.build_id(id).map(hex),
+                self.symbolizer.stripped(id),
+            ),
+            None => (None, None),
+        }
     }
 
     pub async fn handle(&mut self, batch: Batch, broker: Option<&Broker>) -> Round {
@@ -190,9 +199,11 @@ impl Enricher {
             let labels = match label_sets.get(&s.process_id) {
                 Some(l) => l.clone(),
                 None => {
+                    let (build_id, stripped) = entry.map_or((None, None), |e| self.exe_facts(e));
                     let extra = Extra {
                         comm: &s.comm,
-                        executable_build_id: entry.and_then(|e| self.exe_build_id(e)),
+                        executable_build_id: build_id,
+                        executable_stripped: stripped,
                     };
                     let l =
                         self.labeler

@@ -39,6 +39,8 @@ pub struct ContainerMeta {
 
 #[derive(Default)]
 pub struct PodIndex {
+    /// Bumped on every change, so cached label sets of containers are recomputed.
+    pub generation: u64,
     by_container: HashMap<String, Arc<ContainerMeta>>,
     by_pod: HashMap<String, Vec<String>>,
     /// Pods seen since the current (re)list began.
@@ -62,6 +64,7 @@ impl PodIndex {
     }
 
     fn remove(&mut self, uid: &str) {
+        self.generation += 1;
         for id in self.by_pod.remove(uid).unwrap_or_default() {
             self.by_container.remove(&id);
         }

@@ -60,13 +60,19 @@ impl System {
 pub struct Extra<'a> {
     pub comm: &'a str,
     pub executable_build_id: Option<String>,
+    pub executable_stripped: Option<bool>,
 }
+
+/// (process id, mapping version, executable's binary known).
+type CacheKey = (u64, u32, bool);
 
 pub struct Labeler {
     rules: Vec<Rule>,
     external: Vec<(String, String)>,
     pub system: System,
-    cache: HashMap<(u64, u32, bool), Option<Arc<LabelSet>>>,
+    /// Per process: its label set, and the pod index generation it was computed at when
+    /// it depends on Kubernetes metadata (recomputed once the index changed).
+    cache: HashMap<CacheKey, (Option<Arc<LabelSet>>, Option<u64>)>,
     /// Pods of this node, when Kubernetes metadata is on.
     pods: Option<kubernetes::SharedIndex>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
@@ -128,12 +134,19 @@ impl Labeler {
         let key = (
             process_id,
             p.map_or(0, |p| p.mappings_version),
-            extra.executable_build_id.is_some(),
+            extra.executable_build_id.is_some() || extra.executable_stripped.is_some(),
         );
-        if let Some(v) = self.cache.get(&key) {
-            return v.clone();
+        let generation = self
+            .pods
+            .as_ref()
+            .and_then(|p| p.lock().ok().map(|i| i.generation));
+        if let Some((v, at)) = self.cache.get(&key) {
+            if at.is_none() || *at == generation {
+                return v.clone();
+            }
         }
         let (meta, complete) = self.meta(p, pid, &extra);
+        let depends_on_pods = meta.contains_key("__meta_kubernetes_pod_uid");
         let out = relabel::apply(&self.rules, meta).map(|l| {
             let mut l = relabel::finish(l);
             for (k, v) in &self.external {
@@ -152,7 +165,10 @@ impl Labeler {
         if self.cache.len() > 65_536 {
             self.cache.clear();
         }
-        self.cache.insert(key, out.clone());
+        self.cache.insert(
+            key,
+            (out.clone(), if depends_on_pods { generation } else { None }),
+        );
         out
     }
 
@@ -213,6 +229,9 @@ impl Labeler {
         }
         if let Some(b) = &extra.executable_build_id {
             m.insert("__meta_process_executable_build_id".into(), b.clone());
+        }
+        if let Some(s) = extra.executable_stripped {
+            m.insert("__meta_process_executable_stripped".into(), s.to_string());
         }
         (m, complete)
     }

@@ -58,6 +58,8 @@ struct Loaded {
     _fd: OwnedFd,
     path: PathBuf,
     build_id: Option<Vec<u8>>,
+    /// No `.symtab` section (None: not an ELF file object could read).
+    stripped: Option<bool>,
     frames: HashMap<u64, Option<Lines>>,
 }
 
@@ -95,6 +97,11 @@ impl Symbolizer {
 
     pub fn build_id(&self, id: &BinaryId) -> Option<&[u8]> {
         self.binaries.peek(id).and_then(|b| b.build_id.as_deref())
+    }
+
+    /// Whether the binary lacks a symbol table (`.symtab`).
+    pub fn stripped(&self, id: &BinaryId) -> Option<bool> {
+        self.binaries.peek(id).and_then(|b| b.stripped)
     }
 
     pub fn len(&self) -> usize {
@@ -138,10 +145,12 @@ impl Symbolizer {
             return Ok(id);
         }
         Metrics::inc(&self.metrics.binaries_loaded);
+        let stripped = std::fs::File::open(&path).ok().and_then(lacks_symtab);
         let loaded = Loaded {
             _fd: fd,
             path,
             build_id,
+            stripped,
             frames: HashMap::new(),
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
@@ -209,6 +218,25 @@ impl Symbolizer {
     }
 }
 
+/// Reads only the ELF and section headers (through a read cache, never the whole file).
+fn lacks_symtab(file: std::fs::File) -> Option<bool> {
+    use object::read::elf::{ElfFile32, ElfFile64};
+    use object::read::{Object, ReadCache};
+    let cache = ReadCache::new(file);
+    let has = match object::FileKind::parse(&cache).ok()? {
+        object::FileKind::Elf64 => ElfFile64::<object::Endianness, _>::parse(&cache)
+            .ok()?
+            .section_by_name(".symtab")
+            .is_some(),
+        object::FileKind::Elf32 => ElfFile32::<object::Endianness, _>::parse(&cache)
+            .ok()?
+            .section_by_name(".symtab")
+            .is_some(),
+        _ => return None,
+    };
+    Some(!has)
+}
+
 fn file_of(ci: Option<&CodeInfo<'_>>) -> (Arc<str>, u32) {
     match ci {
         Some(ci) => (
@@ -240,4 +268,15 @@ fn lines_of(sym: &Sym<'_>) -> Lines {
         line: position.1,
     });
     lines.into()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn symtab_detection() {
+        let me = std::fs::File::open("/proc/self/exe").unwrap();
+        assert_eq!(super::lacks_symtab(me), Some(false));
+        let text = std::fs::File::open("/proc/self/status").unwrap();
+        assert_eq!(super::lacks_symtab(text), None);
+    }
 }
