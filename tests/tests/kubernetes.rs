@@ -6,7 +6,6 @@
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -183,46 +182,13 @@ fn serve(mut conn: TcpStream, state: Arc<(Mutex<ApiState>, Condvar)>) {
     );
 }
 
-fn cgroup_root() -> PathBuf {
-    for p in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
-        if Path::new(p).join("cgroup.controllers").exists() {
-            return PathBuf::from(p);
-        }
-    }
-    panic!("no cgroup v2 hierarchy");
-}
-
 /// Runs busy for `secs` in a containerd scope of pod `uid`; returns its pid.
 fn busy_in_container(uid: &str, id: &str, secs: u32) -> u32 {
-    let rel = format!(
+    let cg = Cgroup::create(&format!(
         "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/cri-containerd-{id}.scope",
         uid.replace('-', "_")
-    );
-    let mut dirs = Vec::new();
-    let mut p = cgroup_root();
-    for seg in rel.split('/') {
-        p = p.join(seg);
-        if !p.exists() {
-            std::fs::create_dir(&p).unwrap();
-            dirs.push(p.clone());
-        }
-    }
-    let script = format!(
-        "echo $$ > '{}' && exec '{}' {secs}",
-        p.join("cgroup.procs").display(),
-        workload("busy").display()
-    );
-    let mut c = Command::new("sh");
-    c.args(["-c", &script]);
-    let mut w = Proc::spawn("pod-workload", c);
-    let line = w.wait_for("ready", 10 * SECS).expect("workload started");
-    let pid = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    w.wait_exit(Duration::from_secs(u64::from(secs) + 20))
-        .unwrap();
-    for d in dirs.iter().rev() {
-        let _ = std::fs::remove_dir(d);
-    }
-    pid
+    ));
+    busy_in(&cg, secs)
 }
 
 fn labels_of(f: &Firn, pid: u32, timeout: Duration) -> Value {

@@ -1,7 +1,7 @@
 //! Labels end to end (issue: labels): cgroup-derived labels of real processes in real
 //! cgroups, relabeling in the running enricher, and the config file.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -9,70 +9,6 @@ use firn_tests::*;
 
 const SECS: Duration = Duration::from_secs(1);
 const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
-
-/// A cgroup hierarchy this machine lets us create groups in: the unified (v2) one,
-/// mounted alone or beside v1 (hybrid).
-fn cgroup_root() -> PathBuf {
-    for p in ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"] {
-        if Path::new(p).join("cgroup.procs").exists()
-            && Path::new(p).join("cgroup.controllers").exists()
-        {
-            return PathBuf::from(p);
-        }
-    }
-    panic!("no cgroup v2 hierarchy found under /sys/fs/cgroup");
-}
-
-/// Creates the nested cgroup `rel` and removes it (innermost first) on drop.
-struct Cgroup {
-    dirs: Vec<PathBuf>,
-}
-
-impl Cgroup {
-    fn create(rel: &str) -> Cgroup {
-        let mut dirs = Vec::new();
-        let mut p = cgroup_root();
-        for seg in rel.split('/') {
-            p = p.join(seg);
-            if !p.exists() {
-                std::fs::create_dir(&p).unwrap_or_else(|e| panic!("mkdir {}: {e}", p.display()));
-                dirs.push(p.clone());
-            }
-        }
-        Cgroup { dirs }
-    }
-
-    fn procs(&self) -> PathBuf {
-        self.dirs.last().expect("a new cgroup").join("cgroup.procs")
-    }
-}
-
-impl Drop for Cgroup {
-    fn drop(&mut self) {
-        for d in self.dirs.iter().rev() {
-            let _ = std::fs::remove_dir(d);
-        }
-    }
-}
-
-/// Runs the busy workload inside cgroup `cg` for `secs`, returns its pid after exit.
-fn busy_in(cg: &Cgroup, secs: u32) -> u32 {
-    let script = format!(
-        "echo $$ > '{}' && exec '{}' {secs}",
-        cg.procs().display(),
-        workload("busy").display()
-    );
-    let mut p = Proc::spawn("cg-workload", {
-        let mut c = Command::new("sh");
-        c.args(["-c", &script]);
-        c
-    });
-    let line = p.wait_for("ready", 10 * SECS).expect("workload started");
-    let pid = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    p.wait_exit(Duration::from_secs(u64::from(secs) + 20))
-        .unwrap();
-    pid
-}
 
 fn labels_of(f: &Firn, pid: u32) -> Value {
     index_entries(&f.out)
