@@ -14,15 +14,8 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 packages=(clang llvm libelf-dev zlib1g-dev make gcc pkg-config capnproto libcapnp-dev util-linux passwd)
-missing=()
-for p in "${packages[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "installing: ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+. packaging/install-deps.sh
+install_missing "${packages[@]}"
 if ! command -v cargo >/dev/null && [ -f "$HOME/.cargo/env" ]; then
     . "$HOME/.cargo/env"
 fi

@@ -143,7 +143,6 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         }
         Some((Enricher::new(symbolizer, labeler, metrics.clone()), sink))
     };
-    let mut printer = summary::Printer::new(true, 5);
     let mut broker: Option<Rc<Broker>> = None;
     // The sampler counts drops per subscription, cumulatively; this is the last count.
     let mut session_dropped = 0u64;
@@ -163,7 +162,7 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
             }
         };
         let Some((enricher, sink)) = pipeline.as_mut() else {
-            printer.event(&ev);
+            summary::print(&ev);
             continue;
         };
         match ev {
