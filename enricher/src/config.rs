@@ -69,16 +69,21 @@ pub fn load(path: &Path) -> Result<(FileConfig, Labeling), ConfigError> {
         path: path.to_path_buf(),
         source,
     })?;
+    parse(&text, path)
+}
+
+/// Parses and checks a config file's text; `path` only names it in errors.
+pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigError> {
     // serde_yaml names the unknown key or the wrong type with its line and column.
     let file: FileConfig = if text.trim().is_empty() {
         FileConfig::default()
     } else {
-        serde_yaml::from_str(&text).map_err(|e| invalid(path, e.to_string()))?
+        serde_yaml::from_str(text).map_err(|e| invalid(path, e.to_string()))?
     };
     let labeling = labeling(&file).map_err(|e| {
         let at = match &e {
-            relabel::RelabelError::Regex { regex, .. } => line_of(&text, regex),
-            _ => line_of(&text, "relabel_configs"),
+            relabel::RelabelError::Regex { regex, .. } => line_of(text, regex),
+            _ => line_of(text, "relabel_configs"),
         };
         invalid(
             path,
@@ -96,7 +101,7 @@ pub fn load(path: &Path) -> Result<(FileConfig, Labeling), ConfigError> {
             cli::parse_bytes(v).map_err(|m| {
                 invalid(
                     path,
-                    format!("{name}: {m} (line {})", line_of(&text, name).unwrap_or(0)),
+                    format!("{name}: {m} (line {})", line_of(text, name).unwrap_or(0)),
                 )
             })?;
         }
@@ -107,7 +112,7 @@ pub fn load(path: &Path) -> Result<(FileConfig, Labeling), ConfigError> {
                 path,
                 format!(
                     "retention_age: {m} (line {})",
-                    line_of(&text, "retention_age").unwrap_or(0)
+                    line_of(text, "retention_age").unwrap_or(0)
                 ),
             )
         })?;

@@ -24,6 +24,10 @@ use crate::profile::{self, LabelSet};
 pub const MAX_WINDOW: Duration = Duration::from_secs(3600);
 /// Rounds kept for `/pprof/cpu` at most, whatever their length.
 const MAX_ROUNDS: usize = 720;
+/// Stack entries kept for `/pprof/cpu` at most, over all kept rounds: the memory bound
+/// (a few tens of MiB of symbolized frames). Past it the oldest rounds go first, so on a
+/// busy or churning node the window reaches back less than `MAX_WINDOW`.
+const MAX_RECENT_STACKS: usize = 20_000;
 /// Rounds a label set stays in `/profiles` after its last profile.
 const LATEST_ROUNDS: u64 = 6;
 
@@ -39,6 +43,8 @@ pub struct Latest {
 pub struct Inner {
     pub latest: Vec<Latest>,
     pub recent: VecDeque<Arc<Round>>,
+    /// Stack entries over `recent`.
+    pub recent_stacks: usize,
     pub last_batch: Option<SystemTime>,
     pub round_seconds: u32,
 }
@@ -71,9 +77,22 @@ impl Shared {
         g.latest.sort_by_key(|l| std::cmp::Reverse(l.samples));
         g.last_batch = Some(SystemTime::now());
         let horizon = now_ns().saturating_sub(MAX_WINDOW.as_nanos() as u64);
+        g.recent_stacks += round.stacks.len();
         g.recent.push_back(round);
-        while g.recent.len() > MAX_ROUNDS || g.recent.front().is_some_and(|r| r.end_ns < horizon) {
-            g.recent.pop_front();
+        loop {
+            let too_old = g.recent.front().is_some_and(|r| r.end_ns < horizon);
+            let too_big = g.recent.len() > 1
+                && (g.recent.len() > MAX_ROUNDS || g.recent_stacks > MAX_RECENT_STACKS);
+            if !(too_old || too_big) {
+                break;
+            }
+            let Some(old) = g.recent.pop_front() else {
+                break;
+            };
+            g.recent_stacks -= old.stacks.len();
+            if !too_old {
+                Metrics::inc(&self.metrics.window_rounds_evicted);
+            }
         }
     }
 }

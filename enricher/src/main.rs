@@ -271,7 +271,16 @@ fn reload(args: &cli::Args, enricher: Option<&mut Enricher>, metrics: &Metrics) 
     }
 }
 
+/// Built without Kubernetes support: say so, profile on.
+#[cfg(not(feature = "kubernetes"))]
+async fn start_kubernetes(_: &cli::Args, _: &mut Labeler, _: &Arc<Metrics>) {
+    tracing::error!(
+        "this firn-enricher was built without the kubernetes feature; Kubernetes metadata is off"
+    );
+}
+
 /// Starts the pod watch of this node; profiling goes on without it if it cannot start.
+#[cfg(feature = "kubernetes")]
 async fn start_kubernetes(args: &cli::Args, labeler: &mut Labeler, metrics: &Arc<Metrics>) {
     use firn_enricher::labels::kubernetes;
     let node = match &args.node {

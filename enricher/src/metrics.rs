@@ -87,6 +87,7 @@ metrics! {
     sink_disk_full: "rounds skipped because the output disk was nearly full",
     sink_retention_removed: "round folders removed by retention",
     http_requests: "HTTP requests served",
+    window_rounds_evicted: "rounds dropped from the /pprof/cpu window early to bound memory",
     config_reloads: "config files reloaded on SIGHUP",
     kubernetes_watch_errors: "Kubernetes pod watch errors (the watch resumes with backoff)",
     kubernetes_pending: "label sets computed while a container's pod was not yet known (retried next round)",

@@ -1,23 +1,8 @@
 //! firn-sampler: setup while privileged, then drop, confine, and run rounds.
 
-mod attach;
-mod broker;
-mod cli;
-mod counters;
-mod drain;
-mod drop;
-mod encode;
-mod hub;
-mod kallsyms;
-mod listen;
-mod preflight;
 #[cfg(feature = "forbidden-probe")]
-mod probe;
-mod processes;
-mod procfs;
-mod round;
-mod server;
-
+use firn_sampler::probe;
+use firn_sampler::{attach, cli, drain, drop, hub, listen, preflight, round, server};
 use std::cell::Cell;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -27,12 +12,12 @@ use anyhow::Context;
 use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::attach::Sampling;
-use crate::counters::Counters;
-use crate::kallsyms::Kallsyms;
-use crate::listen::{Allow, Peer};
-use crate::processes::ProcessTable;
-use crate::server::{Identity, Shared};
+use firn_sampler::attach::Sampling;
+use firn_sampler::counters::Counters;
+use firn_sampler::kallsyms::Kallsyms;
+use firn_sampler::listen::{Allow, Peer};
+use firn_sampler::processes::ProcessTable;
+use firn_sampler::server::{Identity, Shared};
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();

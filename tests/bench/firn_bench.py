@@ -1,96 +1,218 @@
 #!/usr/bin/env python3
-"""firn overhead benchmark (run as root): `sudo python3 tests/bench/firn_bench.py`.
+"""firn benchmark suite (root): `sudo python3 tests/bench/firn_bench.py`.
 
-Runs the clang-built busy workload on every CPU, interleaving runs without firn (A)
-and with it (B: the sampler and the real enricher in its default configuration,
-writing profiles of every process to a temporary directory, running as an
-unprivileged user), and reports per B run: CPU time of each as a share of one core,
-their RSS, the BPF program's cost per sample (kernel.bpf_stats_enabled run_time_ns /
-run_cnt, read from the sampler's prog fdinfo), samples captured vs expected (from the
-sampler's counter and the workload's profiles), and workload throughput as a ratio to
-the A runs of the same session. Medians with min-max. Writes target/bench/sampler.json
-and rewrites the firn section of BENCHMARKS.md.
+Measures firn (the sampler, and the real enricher in its default configuration with the
+local sink, as an unprivileged user) side by side with `perf record -F HZ -a -g`,
+bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
+`profile -F HZ -f`, on the same machine in the same run:
+
+  overhead  a CPU-bound workload on every CPU (tests/workloads/busy.c, reports its own
+            iterations per second), with no profiler and with each profiler, at each
+            frequency; runs interleaved (none, firn, perf, bpftrace, bcc, none, …);
+  idle      the same profilers with no workload;
+  scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
+            short-lived processes (attribution to the right executable, enricher RSS
+            trend); 200 distinct executables (symbol cache size and hit rate).
+
+Every figure is a median with min–max over the repetitions, workload throughput as a
+ratio to the no-profiler runs of the same session. Installs linux-perf, bpftrace and
+bpfcc-tools (plus kernel headers for BCC) when missing. Writes target/bench/suite.json
+and rewrites the generated sections of BENCHMARKS.md (unless --no-update).
+`--smoke` runs a short firn-only overhead pass (CI: the harness cannot rot; numbers are
+not judged).
 """
 import argparse
 import json
 import os
 import platform
-import re
-import statistics
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "target" / "release"
+WORK = ROOT / "target" / "bench"
+COMM = "busy-bench"
+HTTP = "127.0.0.1:17999"
+BCC_PROFILE = "/usr/sbin/profile-bpfcc"
+BPFTRACE_PROG = "profile:hz:{hz} {{ @[kstack, ustack, comm] = count(); }}"
 
 
-def build():
-    subprocess.run(["cargo", "build", "--release", "--locked", "--workspace", "--bins"], cwd=ROOT, check=True)
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- set-up
+
+def install_peers():
+    need = []
+    if not shutil.which("perf"):
+        need.append("linux-perf")
+    if not shutil.which("bpftrace"):
+        need.append("bpftrace")
+    if not os.path.exists(BCC_PROFILE):
+        need.append("bpfcc-tools")
+    if need:
+        log("installing", " ".join(need))
+        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *need], check=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def bcc_headers():
+    """BCC compiles its program against /lib/modules/$(uname -r)/build. Kernels without
+    a headers package (this VM's) get Debian's linux-headers-amd64 linked there; the
+    program BCC's profile compiles reads no kernel structure, so their version does not
+    matter. Returns the links made, to be removed afterwards."""
+    build = Path("/lib/modules") / platform.release() / "build"
+    if build.exists() or os.path.exists("/sys/kernel/kheaders.tar.xz"):
+        return []
+    heads = sorted(Path("/usr/src").glob("linux-headers-*-amd64"))
+    if not heads:
+        subprocess.run(["apt-get", "install", "-y", "linux-headers-amd64"], check=True,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        heads = sorted(Path("/usr/src").glob("linux-headers-*-amd64"))
+    common = Path(str(heads[-1]).replace("-amd64", "-common"))
+    build.parent.mkdir(parents=True, exist_ok=True)
+    made = [build]
+    build.symlink_to(heads[-1])
+    if common.exists() and not (build.parent / "source").exists():
+        (build.parent / "source").symlink_to(common)
+        made.append(build.parent / "source")
+    return made
+
+
+def build_all(skip_cargo):
+    if not skip_cargo:
+        subprocess.run(["cargo", "build", "--release", "--locked", "--workspace", "--bins"],
+                       cwd=ROOT, check=True)
     out = ROOT / "target" / "workloads"
     out.mkdir(parents=True, exist_ok=True)
-    exe = out / "busy-bench"
-    subprocess.run(["clang", "-O2", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer",
-                    "-pthread", "-o", str(exe), str(ROOT / "tests/workloads/busy.c")], check=True)
-    return exe
+    cc = ["clang", "-O2", "-g", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer"]
+    w = ROOT / "tests" / "workloads"
+    subprocess.run([*cc, "-pthread", "-o", str(out / COMM), str(w / "busy.c")], check=True)
+    subprocess.run([*cc, "-o", str(out / "churn"), str(w / "churn.c")], check=True)
+    subprocess.run([*cc, "-o", str(out / "idlers"), str(w / "idlers.c")], check=True)
+    subprocess.run([*cc, "-o", str(out / "churn-child"), str(w / "churn_child.c")], check=True)
+    return out
 
 
-def cpu_seconds(pid):
-    """CPU time of every thread of pid, in ns resolution (schedstat), as seconds."""
+def many_binaries(out, n):
+    """n distinct executables (distinct build ids) of the churn child."""
+    d = out / "many"
+    d.mkdir(exist_ok=True)
+    obj = d / "child.o"
+    subprocess.run(["clang", "-O2", "-g", "-fno-omit-frame-pointer", "-c", "-o", str(obj),
+                    str(ROOT / "tests/workloads/churn_child.c")], check=True)
+    exes = []
+    for i in range(n):
+        exe = d / f"churn-bin-{i:03d}"
+        if not exe.exists():
+            subprocess.run(["clang", f"-Wl,--build-id=0x{0xf12a0000 + i:08x}", "-o", str(exe), str(obj)],
+                           check=True)
+        exes.append(exe)
+    return exes
+
+
+# ---------------------------------------------------------------- measuring
+
+def proc_cpu(pid):
+    """CPU seconds of every thread of pid (schedstat, ns resolution); 0 once gone."""
     total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+    except OSError:
+        pass
     return total / 1e9
 
 
+def tree(pid):
+    """pid and its descendants (BCC's and bpftrace's helpers included)."""
+    kids = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
 def status_kib(pid, field):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
     return 0
 
 
-def bpf_stats(pid):
-    run_ns = cnt = 0
-    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+def bpf_stats(pids):
+    ns = cnt = 0
+    for pid in pids:
         try:
-            text = open(f"/proc/{pid}/fdinfo/{fd}").read()
+            fds = os.listdir(f"/proc/{pid}/fdinfo")
         except OSError:
             continue
-        if "prog_type" in text and "run_cnt" in text:
-            run_ns += int(re.search(r"run_time_ns:\s+(\d+)", text).group(1))
-            cnt += int(re.search(r"run_cnt:\s+(\d+)", text).group(1))
-    return run_ns, cnt
+        for fd in fds:
+            try:
+                r = bl.parse_fdinfo_bpf(open(f"/proc/{pid}/fdinfo/{fd}").read())
+            except OSError:
+                continue
+            if r:
+                ns, cnt = ns + r[0], cnt + r[1]
+    return ns, cnt
 
 
-def run_workload(exe, seconds):
+def stop_measured(p, sig):
+    """Signals p and waits for it; (cpu seconds from its rusage, peak RSS KiB). The peak
+    is the largest VmHWM sum over p and its children seen from just before the signal
+    until it exits (ru_maxrss would include the pre-exec RSS of the forked Python that
+    started it)."""
+    hwm = sum(status_kib(q, "VmHWM") for q in tree(p.pid))
+    p.send_signal(sig)
+    while True:
+        hwm = max(hwm, sum(status_kib(q, "VmHWM") for q in tree(p.pid)))
+        pid, _, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid == p.pid:
+            p.returncode = 0
+            return ru.ru_utime + ru.ru_stime, hwm
+        time.sleep(0.05)
+
+
+def start_workload(exe, seconds):
     p = subprocess.Popen([str(exe), str(seconds)], stdout=subprocess.PIPE, text=True)
-    pid = None
     for line in p.stdout:
         if line.startswith("ready"):
-            pid = int(line.split()[1])
-            break
-    return p, pid
+            return p, int(line.split()[1])
+    return p, None
 
 
 def finish_workload(p):
     out = p.stdout.read()
     p.wait()
-    m = re.search(r"iterations_per_second ([\d.]+)", out)
-    return float(m.group(1)) if m else float("nan")
-
-
-def run_a(exe, seconds):
-    p, _ = run_workload(exe, seconds)
-    return {"throughput": finish_workload(p)}
+    return bl.parse_busy(out)[0]
 
 
 def bench_user():
-    """The unprivileged user the enricher runs as (created if missing)."""
     name = "firn-bench"
     if subprocess.run(["id", name], capture_output=True).returncode != 0:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
@@ -100,145 +222,500 @@ def bench_user():
     return uid, gid
 
 
-def run_b(exe, seconds, freq, rnd):
-    tmp = tempfile.mkdtemp(prefix="firn-bench-")
-    os.chmod(tmp, 0o755)
-    uid, gid = bench_user()
-    sock = os.path.join(tmp, "s.sock")
-    out = os.path.join(tmp, "profiles")
-    os.mkdir(out)
-    os.chown(out, uid, gid)
-    log = open(os.path.join(tmp, "sampler.log"), "w")
-    sampler = subprocess.Popen([str(BIN / "firn-sampler"), "--socket", sock, "--frequency", str(freq),
-                                "--round", str(rnd), "--allow-uid", str(uid), "--socket-group", str(gid)],
-                               stderr=log)
-    for _ in range(200):
-        if os.path.exists(sock):
-            break
-        time.sleep(0.05)
-    enricher = subprocess.Popen(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-                                 str(BIN / "firn-enricher"), "--socket", sock, "--output-dir", out,
-                                 "--http-address", "127.0.0.1:17999"],
-                                stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "enricher.log"), "w"))
-    time.sleep(2 * rnd + 0.5)  # first rounds handled (binaries loaded): steady state
-    pids = [sampler.pid, enricher.pid]
-    c0, (ns0, n0) = [cpu_seconds(p) for p in pids], bpf_stats(sampler.pid)
-    t0 = time.time()
-    w, wpid = run_workload(exe, seconds)
-    throughput = finish_workload(w)
-    wall = time.time() - t0
-    c1, (ns1, n1) = [cpu_seconds(p) for p in pids], bpf_stats(sampler.pid)
-    rss = [status_kib(p, "VmRSS") for p in pids]
-    hwm = [status_kib(p, "VmHWM") for p in pids]
-    time.sleep(rnd + 2)  # the round holding the workload's end
-    for p in (enricher, sampler):
-        p.terminate()
-        p.wait()
-    captured = 0
-    for d in sorted(os.listdir(out)):
+# ---------------------------------------------------------------- profilers
+# Each: start(hz) → after it is sampling; pids() → processes to measure; stop() →
+# {'cpu_total', 'rss_peak_kib', 'captured', 'total_samples', 'lost', …}.
+
+class Firn:
+    name = "firn"
+
+    def __init__(self, rnd):
+        self.rnd = rnd
+
+    def start(self, hz):
+        self.tmp = tempfile.mkdtemp(prefix="firn-bench-")
+        os.chmod(self.tmp, 0o755)
+        uid, gid = bench_user()
+        sock = os.path.join(self.tmp, "s.sock")
+        self.out = os.path.join(self.tmp, "profiles")
+        os.mkdir(self.out)
+        os.chown(self.out, uid, gid)
+        self.t0 = time.time()
+        self.sampler = subprocess.Popen(
+            [str(BIN / "firn-sampler"), "--socket", sock, "--frequency", str(hz), "--round", str(self.rnd),
+             "--allow-uid", str(uid), "--socket-group", str(gid)],
+            stderr=open(os.path.join(self.tmp, "sampler.log"), "w"))
+        for _ in range(400):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        self.enricher = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", str(BIN / "firn-enricher"),
+             "--socket", sock, "--output-dir", self.out, "--http-address", HTTP],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.tmp, "enricher.log"), "w"))
+        # Two rounds: connected, the first binaries loaded — the steady state.
+        time.sleep(2 * self.rnd + 0.5)
+
+    def pids(self):
+        return [self.sampler.pid, self.enricher.pid]
+
+    def metrics(self):
         try:
-            index = open(os.path.join(out, d, "index.jsonl")).read().splitlines()
+            with urllib.request.urlopen(f"http://{HTTP}/metrics", timeout=5) as r:
+                return bl.parse_prometheus(r.read().decode())
         except OSError:
-            continue
-        for line in index:
-            e = json.loads(line)
-            if e["labels"].get("pid") == str(wpid):
-                captured += e["samples"]
-    subprocess.run(["rm", "-rf", tmp])
-    expected = freq * seconds * os.cpu_count()
-    return {
-        "throughput": throughput,
-        "sampler_cpu_share_of_core": (c1[0] - c0[0]) / wall,
-        "enricher_cpu_share_of_core": (c1[1] - c0[1]) / wall,
-        "sampler_rss_peak_kib": hwm[0],
-        "sampler_rss_kib": rss[0],
-        "enricher_rss_peak_kib": hwm[1],
-        "enricher_rss_kib": rss[1],
-        "bpf_ns_per_sample": (ns1 - ns0) / max(1, n1 - n0),
-        "bpf_runs": n1 - n0,
-        "captured": captured,
-        "expected": expected,
-    }
+            return {}
+
+    def entries(self):
+        for d in sorted(os.listdir(self.out)):
+            try:
+                lines = open(os.path.join(self.out, d, "index.jsonl")).read().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                yield json.loads(line)
+
+    def stop(self, workload_pid=None, settle=True):
+        if settle:
+            time.sleep(self.rnd + 2)  # the round holding the workload's end
+        m = self.metrics()
+        ecpu, erss = stop_measured(self.enricher, signal.SIGTERM)
+        scpu, srss = stop_measured(self.sampler, signal.SIGTERM)
+        life = time.time() - self.t0
+        captured = sum(e["samples"] for e in self.entries()
+                       if workload_pid is not None and e["labels"].get("pid") == str(workload_pid))
+        total = sum(e["samples"] for e in self.entries())
+        lost = {
+            "bpf_maps": sum(m.get(f"firn_sampler_{k}", 0) for k in (
+                "bpf_user_stack_lost", "bpf_kernel_stack_lost", "bpf_counts_map_full")),
+            "sampler_queue": m.get("firn_batches_dropped_upstream", 0),
+            "enricher": m.get("firn_batches_rejected", 0) + m.get("firn_sink_errors", 0),
+        }
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {"cpu_total": scpu + ecpu, "cpu_total_sampler": scpu, "cpu_total_enricher": ecpu,
+                "life_seconds": life, "rss_peak_kib": srss + erss, "rss_peak_sampler_kib": srss,
+                "rss_peak_enricher_kib": erss, "captured": captured, "total_samples": total, "lost": lost,
+                "metrics": {k: v for k, v in m.items() if "symbol" in k or "binar" in k or "process" in k}}
 
 
-def med(xs):
-    xs = [x for x in xs if x == x]
-    return (statistics.median(xs), min(xs), max(xs)) if xs else (float("nan"),) * 3
+class Perf:
+    name = "perf"
+
+    def start(self, hz):
+        self.tmp = tempfile.mkdtemp(prefix="perf-bench-")
+        self.data = os.path.join(self.tmp, "perf.data")
+        self.err = os.path.join(self.tmp, "stderr")
+        self.t0 = time.time()
+        self.p = subprocess.Popen(["perf", "record", "-F", str(hz), "-a", "-g", "-o", self.data],
+                                  stdout=subprocess.DEVNULL, stderr=open(self.err, "w"))
+        time.sleep(1.5)
+
+    def pids(self):
+        return [self.p.pid]
+
+    def stop(self, workload_pid=None):
+        cpu, rss = stop_measured(self.p, signal.SIGINT)
+        life = time.time() - self.t0
+        written, lost = bl.parse_perf_record_stderr(open(self.err).read())
+        captured = 0
+        if workload_pid is not None:
+            out = subprocess.run(["perf", "script", "-i", self.data, "-F", "comm,pid", "--pid", str(workload_pid)],
+                                 capture_output=True, text=True).stdout
+            captured = bl.count_comm_lines("\n".join(line.split()[0] for line in out.splitlines() if line.split()),
+                                           COMM)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {"cpu_total": cpu, "life_seconds": life, "rss_peak_kib": rss, "captured": captured,
+                "total_samples": written, "lost": {"perf_chunks": lost}}
 
 
-def fmt(t, spec="{:.3g}"):
-    return f"{spec.format(t[0])} ({spec.format(t[1])}–{spec.format(t[2])})"
+class Bpftrace:
+    name = "bpftrace"
+
+    def start(self, hz):
+        self.tmp = tempfile.mkdtemp(prefix="bpftrace-bench-")
+        self.out = os.path.join(self.tmp, "out")
+        self.err = os.path.join(self.tmp, "err")
+        self.t0 = time.time()
+        self.p = subprocess.Popen(["bpftrace", "-e", BPFTRACE_PROG.format(hz=hz)],
+                                  stdout=open(self.out, "w"), stderr=open(self.err, "w"))
+        for _ in range(600):
+            if "Attaching" in open(self.out).read():
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+    def pids(self):
+        return tree(self.p.pid)
+
+    def stop(self, workload_pid=None):
+        cpu, rss = stop_measured(self.p, signal.SIGINT)
+        life = time.time() - self.t0
+        mine, total = bl.parse_bpftrace_counts(open(self.out).read(), COMM)
+        errors = open(self.err).read().count("failed to look up stack id")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {"cpu_total": cpu, "life_seconds": life, "rss_peak_kib": rss,
+                "captured": mine if workload_pid is not None else 0, "total_samples": total,
+                "lost": {"stack_lookups_failed": errors}}
+
+
+class Bcc:
+    name = "bcc"
+
+    def start(self, hz):
+        self.tmp = tempfile.mkdtemp(prefix="bcc-bench-")
+        self.out = os.path.join(self.tmp, "out")
+        self.err = os.path.join(self.tmp, "err")
+        self.t0 = time.time()
+        self.p = subprocess.Popen([BCC_PROFILE, "-F", str(hz), "-f"],
+                                  stdout=open(self.out, "w"), stderr=open(self.err, "w"))
+        # Ready once its compiled program is loaded (it prints nothing until the end).
+        for _ in range(1200):
+            if bpf_stats([self.p.pid])[0] or any(
+                    bl.parse_fdinfo_bpf(_read(f"/proc/{self.p.pid}/fdinfo/{fd}"))
+                    for fd in _listdir(f"/proc/{self.p.pid}/fdinfo")):
+                break
+            if self.p.poll() is not None:
+                raise RuntimeError(f"BCC profile exited: {open(self.err).read()[-500:]}")
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+    def pids(self):
+        return tree(self.p.pid)
+
+    def stop(self, workload_pid=None):
+        cpu, rss = stop_measured(self.p, signal.SIGINT)
+        life = time.time() - self.t0
+        mine, total, missed = bl.parse_folded(open(self.out).read(), COMM)
+        lost = bl.parse_bcc_warnings(open(self.err).read() + open(self.out).read())
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {"cpu_total": cpu, "life_seconds": life, "rss_peak_kib": rss,
+                "captured": mine if workload_pid is not None else 0, "total_samples": total,
+                "lost": {"stacks_not_shown": lost, "missed_stacks": missed}}
+
+
+def _read(path):
+    try:
+        return open(path).read()
+    except OSError:
+        return ""
+
+
+def _listdir(path):
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+# ---------------------------------------------------------------- runs
+
+def one_run(kind, prof, hz, exe, seconds):
+    """One run: the profiler (or none) started, then the workload (or an idle wait)."""
+    r = {"profiler": prof.name if prof else "none", "hz": hz, "kind": kind}
+    if prof:
+        prof.start(hz)
+        pids = prof.pids()
+        c0 = {p: proc_cpu(p) for p in pids}
+        b0 = bpf_stats(pids)
+    t0 = time.time()
+    wpid = None
+    if kind == "overhead":
+        w, wpid = start_workload(exe, seconds)
+        r["throughput"] = finish_workload(w)
+    else:
+        time.sleep(seconds)
+    wall = time.time() - t0
+    if prof:
+        c1 = {p: proc_cpu(p) for p in pids}
+        b1 = bpf_stats(pids)
+        r["cpu_window_per_s"] = sum(c1[p] - c0[p] for p in pids) / wall
+        if prof.name == "firn":
+            r["cpu_window_per_s_sampler"] = (c1[pids[0]] - c0[pids[0]]) / wall
+            r["cpu_window_per_s_enricher"] = (c1[pids[1]] - c0[pids[1]]) / wall
+            r["rss_kib_sampler"] = status_kib(pids[0], "VmRSS")
+            r["rss_kib_enricher"] = status_kib(pids[1], "VmRSS")
+        r["bpf_ns_per_run"] = (b1[0] - b0[0]) / (b1[1] - b0[1]) if b1[1] > b0[1] else float("nan")
+        r["bpf_runs"] = b1[1] - b0[1]
+        r.update(prof.stop(wpid))
+        r["cpu_total_per_s"] = r["cpu_total"] / r["life_seconds"]
+        r["expected"] = bl.expected_samples(hz, seconds, os.cpu_count()) if kind == "overhead" else 0
+    r["wall"] = wall
+    return r
+
+
+def matrix(freqs, profilers, kind, pairs, exe, seconds, rnd):
+    make = {"firn": lambda: Firn(rnd), "perf": Perf, "bpftrace": Bpftrace, "bcc": Bcc}
+    runs = []
+    for rep in range(pairs):
+        for hz in freqs:
+            order = ["none"] + [p for p in profilers if hz < 999 or p in ("firn", "perf")]
+            if kind == "idle":
+                order = order[1:]
+            for name in order:
+                log(f"{kind} {rep + 1}/{pairs} {hz} Hz: {name} …")
+                prof = None if name == "none" else make[name]()
+                try:
+                    runs.append(one_run(kind, prof, hz, exe, seconds))
+                except Exception as e:  # a peer that fails is reported, not fatal
+                    log(f"  {name} failed: {e}")
+                    runs.append({"profiler": name, "hz": hz, "kind": kind, "error": str(e)})
+    return runs
+
+
+def summarize(runs, kind):
+    rows = []
+    keys = sorted({(r["hz"], r["profiler"]) for r in runs if "error" not in r},
+                  key=lambda k: (k[0], ["none", "firn", "perf", "bpftrace", "bcc"].index(k[1])))
+    for hz, name in keys:
+        rs = [r for r in runs if r["hz"] == hz and r["profiler"] == name and "error" not in r]
+        base = [r["throughput"] for r in runs
+                if r["hz"] == hz and r["profiler"] == "none" and "throughput" in r]
+        row = {"hz": hz, "profiler": name, "n": len(rs)}
+        if kind == "overhead":
+            row["throughput_ratio"] = bl.med(bl.ratios([r["throughput"] for r in rs], base))
+        if name != "none":
+            for k in ("cpu_window_per_s", "cpu_total_per_s", "bpf_ns_per_run"):
+                row[k] = bl.med([r.get(k, float("nan")) for r in rs])
+            row["rss_peak_mib"] = bl.med([r["rss_peak_kib"] / 1024 for r in rs])
+            if kind == "overhead":
+                row["captured_ratio"] = bl.med([r["captured"] / r["expected"] for r in rs])
+            lost = {}
+            for r in rs:
+                for k, v in r["lost"].items():
+                    lost.setdefault(k, []).append(v)
+            row["lost"] = {k: bl.med(v) for k, v in lost.items()}
+            if name == "firn":
+                for part in ("sampler", "enricher"):
+                    row[f"cpu_window_per_s_{part}"] = bl.med([r[f"cpu_window_per_s_{part}"] for r in rs])
+                    row[f"rss_peak_{part}_mib"] = bl.med([r[f"rss_peak_{part}_kib"] / 1024 for r in rs])
+                    row[f"rss_{part}_mib"] = bl.med([r[f"rss_kib_{part}"] / 1024 for r in rs])
+        rows.append(row)
+    return rows
+
+
+def table(rows, kind):
+    ms = lambda t: bl.fmt(tuple(x * 1000 for x in t), "{:.1f}")  # noqa: E731
+    head = "| Hz | profiler | runs | "
+    if kind == "overhead":
+        head += "throughput / none | samples / expected | "
+    head += "CPU ms per s (sampling window) | CPU ms per s (whole life) | peak RSS MiB | BPF ns per run | lost |"
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [str(r["hz"]), r["profiler"], str(r["n"])]
+        if kind == "overhead":
+            cells.append(bl.fmt(r["throughput_ratio"], "{:.4f}"))
+            cells.append(bl.fmt(r.get("captured_ratio", (float("nan"),) * 3), "{:.3f}"))
+        if r["profiler"] == "none":
+            cells += ["–"] * 5
+        else:
+            cpu = ms(r["cpu_window_per_s"])
+            if r["profiler"] == "firn":
+                cpu += f"<br>sampler {ms(r['cpu_window_per_s_sampler'])}<br>enricher {ms(r['cpu_window_per_s_enricher'])}"
+            rss = bl.fmt(r["rss_peak_mib"], "{:.1f}")
+            if r["profiler"] == "firn":
+                rss += (f"<br>sampler {bl.fmt(r['rss_peak_sampler_mib'], '{:.1f}')}"
+                        f"<br>enricher {bl.fmt(r['rss_peak_enricher_mib'], '{:.1f}')}")
+            lost = "<br>".join(f"{k} {bl.fmt(v, '{:.0f}')}" for k, v in r["lost"].items()) or "–"
+            cells += [cpu, ms(r["cpu_total_per_s"]), rss, bl.fmt(r["bpf_ns_per_run"], "{:.0f}"), lost]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- scale (firn only)
+
+def scale_many_processes(exe, out, seconds, hz, rnd, count=1000):
+    log(f"scale: {count} idle processes + workload, firn at {hz} Hz …")
+    idlers = subprocess.Popen([str(out / "idlers"), str(count), str(seconds + 4 * rnd + 10)],
+                              stdout=subprocess.PIPE, text=True)
+    idlers.stdout.readline()
+    try:
+        r = one_run("overhead", Firn(rnd), hz, exe, seconds)
+    finally:
+        idlers.terminate()
+        subprocess.run(["pkill", "-f", str(out / "idlers")])
+        idlers.wait()
+    return r
+
+
+class ChurnFirn(Firn):
+    """Firn that, before its profiles are removed, counts the churn children's samples
+    by comm (from the BPF program, always there) and those whose executable label is
+    the executable that comm names: attributed to the right executable."""
+
+    def stop(self, workload_pid=None, settle=True):
+        time.sleep(self.rnd + 2)
+        self.by_comm = self.attributed = 0
+        for e in self.entries():
+            comm = e["labels"].get("comm", "")
+            if comm.startswith("churn-"):
+                self.by_comm += e["samples"]
+                exe = e["labels"].get("executable", "")
+                if exe and exe[:15] == comm:
+                    self.attributed += e["samples"]
+        return super().stop(workload_pid, settle=False)
+
+
+def scale_churn(out, exes, seconds, rate, hz, rnd, label):
+    log(f"scale: {label}: {rate}/s over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
+    f = ChurnFirn(rnd)
+    f.start(hz)
+    c0 = proc_cpu(f.enricher.pid)
+    churn = subprocess.Popen([str(out / "churn"), str(seconds), str(rate), *map(str, exes)],
+                             stdout=subprocess.PIPE, text=True)
+    churn.stdout.readline()
+    t0, rss = time.time(), []
+    while churn.poll() is None:
+        rss.append((time.time() - t0, status_kib(f.enricher.pid, "VmRSS") / 1024))
+        time.sleep(5)
+    report = churn.stdout.read()
+    cpu = (proc_cpu(f.enricher.pid) - c0) / (time.time() - t0)
+    res = f.stop()
+    return {"label": label, "rate": rate, "executables": len(exes), "seconds": seconds,
+            "churn_report": report.strip(), "enricher_cpu_per_s": cpu, "rss_points": rss,
+            # The first fifth is warm-up (binaries loading); the trend is of the rest.
+            "rss_trend_mib_per_min": bl.trend_per_minute(rss[len(rss) // 5:]),
+            "rss_max_mib": max((p[1] for p in rss), default=float("nan")),
+            "attributed": f.attributed, "by_comm": f.by_comm, "metrics": res["metrics"]}
+
+
+# ---------------------------------------------------------------- report
+
+def write_report(res, update):
+    WORK.mkdir(parents=True, exist_ok=True)
+    (WORK / "suite.json").write_text(json.dumps(res, indent=1, default=str))
+    m, p = res["machine"], res["params"]
+    head = (f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; "
+            f"{p['pairs']} interleaved repetitions of {p['seconds']} s, firn rounds of {p['round']} s; "
+            f"peers: {m['peers']}. Median (min–max).")
+    sections = {}
+    if "overhead" in res:
+        sections["bench-overhead"] = head + "\n\n" + table(res["overhead"], "overhead")
+    if "idle" in res:
+        sections["bench-idle"] = head + "\n\n" + table(res["idle"], "idle")
+    if "scale" in res:
+        s = res["scale"]
+        lines = [head, "", "| scenario | result |", "|---|---|"]
+        if "many_processes" in s:
+            r = s["many_processes"]
+            lines.append(f"| 1,000 idle processes + workload, {r['hz']} Hz | enricher CPU "
+                         f"{r['cpu_window_per_s_enricher'] * 1000:.1f} ms/s, RSS {r['rss_kib_enricher'] / 1024:.1f} MiB "
+                         f"(peak {r['rss_peak_enricher_kib'] / 1024:.1f}); sampler CPU "
+                         f"{r['cpu_window_per_s_sampler'] * 1000:.2f} ms/s, RSS {r['rss_kib_sampler'] / 1024:.1f} MiB "
+                         f"(peak {r['rss_peak_sampler_kib'] / 1024:.1f}); throughput/none "
+                         f"{r['throughput'] / s['baseline_throughput']:.4f} |")
+        for key in ("churn", "many_binaries"):
+            if key in s:
+                r = s[key]
+                share = r["attributed"] / r["by_comm"] if r["by_comm"] else float("nan")
+                mt = r["metrics"]
+                hits, misses = mt.get("firn_symbol_cache_hits", 0), mt.get("firn_symbol_cache_misses", 0)
+                lines.append(
+                    f"| {r['label']}: {r['rate']}/s × ~20 ms over {r['executables']} executable(s), {r['seconds']} s | "
+                    f"{r['attributed']}/{r['by_comm']} samples attributed to the right executable ({share:.1%}); "
+                    f"enricher CPU {r['enricher_cpu_per_s'] * 1000:.1f} ms/s, RSS max {r['rss_max_mib']:.1f} MiB, "
+                    f"trend {r['rss_trend_mib_per_min']:+.2f} MiB/min; binaries loaded "
+                    f"{mt.get('firn_binaries_loaded', 0):.0f}, evicted {mt.get('firn_binaries_evicted', 0):.0f}; "
+                    f"frame cache hit rate {hits / max(1, hits + misses):.1%}; sampler processes gone before "
+                    f"/proc read {mt.get('firn_sampler_processes_gone', 0):.0f} |")
+        sections["bench-scale"] = "\n".join(lines)
+    for name, body in sections.items():
+        log(f"\n== {name}\n{body}")
+    if update:
+        bm = ROOT / "BENCHMARKS.md"
+        text = bm.read_text()
+        for name, body in sections.items():
+            text = bl.replace_section(text, name, body)
+        bm.write_text(text)
+        log(f"updated {bm}")
+
+
+def cpu_model():
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=int, default=60)
-    ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--frequency", type=int, default=19)
-    ap.add_argument("--round", type=int, default=10)
+    ap.add_argument("--seconds", type=int, default=30, help="workload / idle seconds per run (30)")
+    ap.add_argument("--pairs", type=int, default=3, help="interleaved repetitions (3)")
+    ap.add_argument("--frequencies", default="19,99,999",
+                    help="Hz list (19,99,999); at 999 Hz only firn and perf run, as planned")
+    ap.add_argument("--profilers", default="firn,perf,bpftrace,bcc")
+    ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
+    ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
+    ap.add_argument("--parts", default="overhead,idle,scale", help="overhead,idle,scale")
+    ap.add_argument("--churn-seconds", type=int, default=300)
+    ap.add_argument("--churn-rate", type=int, default=50,
+                    help="processes per second in the churn storm (50: ~1 CPU of 20 ms processes on 2 CPUs)")
+    ap.add_argument("--binaries", type=int, default=200)
+    ap.add_argument("--smoke", action="store_true",
+                    help="CI: one firn-only overhead run of 20 s at 99 Hz, 2 s rounds; nothing written to BENCHMARKS.md")
+    ap.add_argument("--skip-build", action="store_true", help="use the existing release binaries")
     ap.add_argument("--no-update", action="store_true", help="do not rewrite BENCHMARKS.md")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: sudo python3 tests/bench/firn_bench.py")
-    exe = build()
-    old = open("/proc/sys/kernel/bpf_stats_enabled").read().strip()
+    if args.smoke:
+        args.seconds, args.pairs, args.frequencies, args.profilers = 20, 1, "99", "firn"
+        args.round, args.parts, args.no_update = 2, "overhead", True
+    profilers = [p for p in args.profilers.split(",") if p]
+    parts = set(args.parts.split(","))
+    freqs = [int(f) for f in args.frequencies.split(",")]
+    links = []
+    if set(profilers) - {"firn"}:
+        install_peers()
+        if "bcc" in profilers:
+            links = bcc_headers()
+    out = build_all(args.skip_build)
+    exe = out / COMM
+    old = _read("/proc/sys/kernel/bpf_stats_enabled").strip() or "0"
     open("/proc/sys/kernel/bpf_stats_enabled", "w").write("1")
-    a, b = [], []
+    res = {"machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "cpu_model": cpu_model(),
+                       "date": time.strftime("%Y-%m-%d"),
+                       "peers": ", ".join(_version(p) for p in profilers if p != "firn") or "none"},
+           "params": vars(args)}
     try:
-        for i in range(args.pairs):
-            print(f"pair {i + 1}/{args.pairs}: A (no profiler) …", flush=True)
-            a.append(run_a(exe, args.seconds))
-            print(f"pair {i + 1}/{args.pairs}: B (firn-sampler) …", flush=True)
-            b.append(run_b(exe, args.seconds, args.frequency, args.round))
+        if "overhead" in parts:
+            runs = matrix(freqs, profilers, "overhead", args.pairs, exe, args.seconds, args.round)
+            res["overhead_runs"] = runs
+            res["overhead"] = summarize(runs, "overhead")
+            if args.smoke:
+                bad = [r for r in runs if "error" in r]
+                firn = [r for r in runs if r["profiler"] == "firn" and "error" not in r]
+                if bad or not firn or firn[0]["captured"] <= 0:
+                    sys.exit(f"smoke run failed: {bad or firn}")
+        if "idle" in parts:
+            runs = matrix(freqs, profilers, "idle", args.idle_pairs or args.pairs, exe, args.seconds,
+                          args.round)
+            res["idle_runs"] = runs
+            res["idle"] = summarize(runs, "idle")
+        if "scale" in parts:
+            hz = 99
+            s = res["scale"] = {}
+            base = [one_run("overhead", None, hz, exe, args.seconds)["throughput"]]
+            s["many_processes"] = scale_many_processes(exe, out, args.seconds, hz, args.round)
+            base.append(one_run("overhead", None, hz, exe, args.seconds)["throughput"])
+            s["baseline_throughput"] = bl.med(base)[0]
+            s["churn"] = scale_churn(out, [out / "churn-child"], args.churn_seconds, args.churn_rate, hz,
+                                   args.round, "churn")
+            s["many_binaries"] = scale_churn(out, many_binaries(out, args.binaries), max(60, args.binaries // 2),
+                                           args.churn_rate, hz, args.round, "many binaries")
     finally:
         open("/proc/sys/kernel/bpf_stats_enabled", "w").write(old)
-    base = statistics.median(r["throughput"] for r in a)
-    res = {
-        "machine": {"kernel": platform.release(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")},
-        "params": vars(args),
-        "a": a,
-        "b": b,
-        "summary": {
-            "throughput_ratio": med([r["throughput"] / base for r in b]),
-            "sampler_cpu_percent_of_core": med([100 * r["sampler_cpu_share_of_core"] for r in b]),
-            "sampler_rss_peak_mib": med([r["sampler_rss_peak_kib"] / 1024 for r in b]),
-            "sampler_rss_mib": med([r["sampler_rss_kib"] / 1024 for r in b]),
-            "enricher_cpu_percent_of_core": med([100 * r["enricher_cpu_share_of_core"] for r in b]),
-            "enricher_rss_mib": med([r["enricher_rss_kib"] / 1024 for r in b]),
-            "enricher_rss_peak_mib": med([r["enricher_rss_peak_kib"] / 1024 for r in b]),
-            "bpf_ns_per_sample": med([r["bpf_ns_per_sample"] for r in b]),
-            "captured_vs_expected": med([r["captured"] / r["expected"] for r in b]),
-        },
-    }
-    out = ROOT / "target" / "bench"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sampler.json").write_text(json.dumps(res, indent=1))
-    s = res["summary"]
-    table = "\n".join([
-        f"Run {res['machine']['date']}, kernel {res['machine']['kernel']}, {res['machine']['cpus']} CPUs, "
-        f"{args.frequency} Hz, {args.round} s rounds, {args.pairs} interleaved pairs of {args.seconds} s "
-        "(median, min–max):",
-        "",
-        "| measure | result | target |",
-        "|---|---|---|",
-        f"| workload throughput with firn / without | {fmt(s['throughput_ratio'], '{:.4f}')} | – |",
-        f"| sampler CPU, % of one core | {fmt(s['sampler_cpu_percent_of_core'], '{:.3f}')} | ≤ 0.05 |",
-        f"| sampler steady RSS (VmRSS), MiB | {fmt(s['sampler_rss_mib'], '{:.1f}')} | ≤ 8 |",
-        f"| sampler peak RSS incl. setup (VmHWM), MiB | {fmt(s['sampler_rss_peak_mib'], '{:.1f}')} | – |",
-        f"| enricher CPU, % of one core | {fmt(s['enricher_cpu_percent_of_core'], '{:.3f}')} | ≤ 0.5 |",
-        f"| enricher steady RSS (VmRSS), MiB | {fmt(s['enricher_rss_mib'], '{:.1f}')} | ≤ 64 |",
-        f"| enricher peak RSS (VmHWM), MiB | {fmt(s['enricher_rss_peak_mib'], '{:.1f}')} | – |",
-        f"| BPF cost per sample, ns | {fmt(s['bpf_ns_per_sample'], '{:.0f}')} | reported |",
-        f"| workload samples in its profiles / (Hz × s × CPUs) | {fmt(s['captured_vs_expected'], '{:.3f}')} | ≈ 1 |",
-    ])
-    print(table)
-    if not args.no_update:
-        bm = ROOT / "BENCHMARKS.md"
-        text = bm.read_text()
-        start, end = "<!-- firn-bench:start -->", "<!-- firn-bench:end -->"
-        i, j = text.index(start) + len(start), text.index(end)
-        bm.write_text(text[:i] + "\n" + table + "\n" + text[j:])
-        print(f"updated {bm}")
+        for link in links:
+            link.unlink()
+    write_report(res, not args.no_update)
+
+
+def _version(p):
+    cmd = {"perf": ["perf", "--version"], "bpftrace": ["bpftrace", "--version"],
+           "bcc": ["dpkg-query", "-W", "-f", "bpfcc-tools ${Version}", "bpfcc-tools"]}[p]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        return f"{p} (not found)"
 
 
 if __name__ == "__main__":

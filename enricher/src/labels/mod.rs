@@ -3,6 +3,7 @@
 //! (and mapping version) and recomputed when the config changes.
 
 pub mod cgroup;
+#[cfg(feature = "kubernetes")]
 pub mod kubernetes;
 pub mod relabel;
 
@@ -74,6 +75,7 @@ pub struct Labeler {
     /// it depends on Kubernetes metadata (recomputed once the index changed).
     cache: HashMap<CacheKey, (Option<Arc<LabelSet>>, Option<u64>)>,
     /// Pods of this node, when Kubernetes metadata is on.
+    #[cfg(feature = "kubernetes")]
     pods: Option<kubernetes::SharedIndex>,
     metrics: Option<Arc<crate::metrics::Metrics>>,
 }
@@ -85,12 +87,14 @@ impl Labeler {
             external,
             system,
             cache: HashMap::new(),
+            #[cfg(feature = "kubernetes")]
             pods: None,
             metrics: None,
         }
     }
 
     /// Turns Kubernetes metadata on: containers are looked up in `pods`.
+    #[cfg(feature = "kubernetes")]
     pub fn set_pods(
         &mut self,
         pods: kubernetes::SharedIndex,
@@ -99,6 +103,17 @@ impl Labeler {
         self.pods = Some(pods);
         self.metrics = Some(metrics);
         self.cache.clear();
+    }
+
+    /// The pod index's generation, when Kubernetes metadata is on.
+    fn pods_generation(&self) -> Option<u64> {
+        #[cfg(feature = "kubernetes")]
+        return self
+            .pods
+            .as_ref()
+            .and_then(|p| p.lock().ok().map(|i| i.generation));
+        #[cfg(not(feature = "kubernetes"))]
+        None
     }
 
     /// New rules and external labels (config reload): every cached result goes.
@@ -136,10 +151,7 @@ impl Labeler {
             p.map_or(0, |p| p.mappings_version),
             extra.executable_build_id.is_some() || extra.executable_stripped.is_some(),
         );
-        let generation = self
-            .pods
-            .as_ref()
-            .and_then(|p| p.lock().ok().map(|i| i.generation));
+        let generation = self.pods_generation();
         if let Some((v, at)) = self.cache.get(&key) {
             if at.is_none() || *at == generation {
                 return v.clone();
@@ -175,6 +187,7 @@ impl Labeler {
     /// Every meta label known for a process, plus `node`; false when a container's
     /// pod is not (yet) known.
     pub fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> (Labels, bool) {
+        #[allow(unused_mut)] // assigned only with the kubernetes feature
         let mut complete = true;
         let mut m = Labels::new();
         let mut set = |k: &str, v: String| {
@@ -219,6 +232,7 @@ impl Labeler {
                 "__meta_container_runtime",
                 f.runtime.unwrap_or_default().to_string(),
             );
+            #[cfg(feature = "kubernetes")]
             if let (Some(id), Some(pods)) = (&f.container_id, &self.pods) {
                 match pods.lock().ok().and_then(|idx| idx.lookup(id)) {
                     Some(c) => kubernetes::meta_labels(&c, &mut m),

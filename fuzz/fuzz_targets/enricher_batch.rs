@@ -1,0 +1,43 @@
+//! A batch as the enricher receives it: arbitrary bytes through its Cap'n Proto reader
+//! limits and batch validation, into the process table, labels and the pprof encoder.
+#![no_main]
+
+use std::sync::Arc;
+
+use firn_enricher::batch;
+use firn_enricher::encode::{per_label_set, ProfileBy};
+use firn_enricher::enrich::Enricher;
+use firn_enricher::labels::{Labeler, System};
+use firn_enricher::metrics::Metrics;
+use firn_enricher::symbolize::Symbolizer;
+use firn_schema::firn_capnp;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(msg) = capnp::serialize::read_message_from_flat_slice(
+        &mut &data[..],
+        firn_schema::enricher_reader_options(),
+    ) else {
+        return;
+    };
+    let Ok(root) = msg.get_root::<firn_capnp::batch::Reader>() else {
+        return;
+    };
+    let Ok(b) = batch::decode(root) else {
+        return;
+    };
+    let metrics = Arc::new(Metrics::default());
+    let system = System {
+        node: "fuzz".into(),
+        kernel_release: "6.18".into(),
+        machine: "x86_64".into(),
+    };
+    let labeler = Labeler::new(Vec::new(), Vec::new(), system);
+    let mut enricher = Enricher::new(Symbolizer::new(8, metrics.clone()), labeler, metrics);
+    let round = futures::executor::block_on(enricher.handle(b, None));
+    for by in [ProfileBy::Process, ProfileBy::Container] {
+        for e in per_label_set(&round, by) {
+            assert!(e.samples >= 0);
+        }
+    }
+});

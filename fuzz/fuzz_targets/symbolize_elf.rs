@@ -1,0 +1,39 @@
+//! An arbitrary byte blob handed to the symbolizer as if the broker had opened it as a
+//! mapped binary: no panic, and libFuzzer's -timeout / -rss_limit_mb bound time and
+//! memory per input.
+#![no_main]
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use firn_enricher::metrics::Metrics;
+use firn_enricher::symbolize::Symbolizer;
+use libfuzzer_sys::fuzz_target;
+
+fn memfd(data: &[u8]) -> OwnedFd {
+    // SAFETY: memfd_create with a valid C string; the fd is owned from here on.
+    let fd = unsafe { libc::memfd_create(c"fuzz-elf".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create");
+    // SAFETY: fd was just created and is owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut file = std::fs::File::from(fd);
+    std::io::Write::write_all(&mut file, data).expect("write memfd");
+    file.into()
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut sym = Symbolizer::new(2, Arc::new(Metrics::default()));
+    let Ok(id) = sym.load(memfd(data)) else {
+        return;
+    };
+    // Offsets across the file and a few beyond it.
+    let len = data.len() as u64;
+    let offsets: Vec<u64> = (0..64u64)
+        .map(|i| i * (len / 48 + 1))
+        .chain([0, u64::MAX, 0x1000, len])
+        .collect();
+    let out = sym.symbolize(&id, &offsets);
+    assert_eq!(out.len(), offsets.len());
+    let _ = sym.build_id(&id);
+    let _ = sym.stripped(&id);
+});

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Rebuilds the seed corpus (fuzz/seeds/<target>/seed-*) from real traffic and files:
+# the sampler and enricher run with fuzz/capture.py relaying between them while a
+# workload runs; the client's bytes seed sampler_connection, the batches pushed to it
+# seed enricher_batch; real binaries seed symbolize_elf. Needs root and release builds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+tmp=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$tmp"' EXIT
+cargo build --release --locked --workspace --bins
+cargo build --release --locked -p firn-schema --example extract_batches
+clang -O2 -g -fno-omit-frame-pointer -pthread -o "$tmp/busy" tests/workloads/busy.c
+
+target/release/firn-sampler --socket "$tmp/s.sock" --frequency 99 --round 1 2>"$tmp/sampler.log" &
+for _ in $(seq 100); do [ -S "$tmp/s.sock" ] && break; sleep 0.1; done
+python3 fuzz/capture.py "$tmp/s.sock" "$tmp/relay.sock" "$tmp/cap" &
+for _ in $(seq 100); do [ -S "$tmp/relay.sock" ] && break; sleep 0.1; done
+mkdir "$tmp/out"
+target/release/firn-enricher --allow-root --socket "$tmp/relay.sock" --output-dir "$tmp/out" \
+    --http-address 127.0.0.1:0 2>"$tmp/enricher.log" &
+enricher=$!
+"$tmp/busy" 4 >/dev/null
+sleep 2
+kill "$enricher"; wait "$enricher" || true
+
+s=fuzz/seeds
+rm -f $s/*/seed-*
+cp "$tmp/cap/conn-1.c2s" $s/sampler_connection/seed-enricher-session
+[ -f "$tmp/cap/conn-2.c2s" ] && cp "$tmp/cap/conn-2.c2s" $s/sampler_connection/seed-broker-channel
+target/release/examples/extract_batches "$tmp/cap/conn-1.s2c" "$tmp/batches"
+# A few batches of different sizes are enough: libFuzzer mutates from there.
+ls -S "$tmp/batches" | awk 'NR<=3 || NR%5==0' | head -8 | while read -r f; do cp "$tmp/batches/$f" $s/enricher_batch/; done
+
+cp "$tmp/busy" $s/symbolize_elf/seed-busy-debug
+strip -o $s/symbolize_elf/seed-busy-stripped "$tmp/busy"
+clang -O1 -o $s/symbolize_elf/seed-tiny -x c - <<'C'
+int main(void) { return 0; }
+C
+strip $s/symbolize_elf/seed-tiny
+
+cat > $s/relabel_config/seed-readme <<'Y'
+output_dir: /var/lib/firn/profiles
+profile_by: process
+relabel_configs:
+  - {source_labels: [__meta_process_comm], regex: 'kworker/.*', action: drop}
+  - {source_labels: [__meta_process_pid], target_label: pid}
+  - {source_labels: [__meta_process_executable_name], target_label: executable}
+  - {source_labels: [__meta_systemd_unit], target_label: systemd_unit}
+external_labels: {cluster: prod-eu}
+Y
+cat > $s/relabel_config/seed-actions <<'Y'
+relabel_configs:
+  - {source_labels: [__meta_process_executable, __meta_process_comm], separator: ';', regex: '(.*)/(.*);(b.*)', target_label: x, replacement: '${2}-$3'}
+  - {source_labels: [__meta_process_pid], modulus: 4, target_label: shard, action: hashmod}
+  - {regex: '__meta_process_(.+)', replacement: 'p_$1', action: labelmap}
+  - {regex: 'p_comm', action: labeldrop}
+  - {regex: 'p_.*|node|x|shard', action: labelkeep}
+  - {source_labels: [shard], regex: '[0-3]', action: keep}
+  - {source_labels: [x], target_label: y, action: lowercase}
+  - {source_labels: [x], target_label: z, action: uppercase}
+  - {source_labels: [x, y], regex: 'a|b', action: keepequal, target_label: x}
+retention_size: 1GiB
+retention_age: 7d
+min_free: 100MiB
+Y
+printf '0::/system.slice/nginx.service\n' > $s/cgroup_path/seed-systemd-v2
+printf '0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1b2c3d4e_5f6a_7b8c_9d0e_1f2a3b4c5d6e.slice/cri-containerd-4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4.scope\n' > $s/cgroup_path/seed-k8s-containerd
+printf '12:pids:/docker/4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4\n11:memory:/docker/4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4\n1:name=systemd:/docker/4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4\n0::/\n' > $s/cgroup_path/seed-docker-v1
+printf '0::/user.slice/user-1000.slice/user@1000.service/app.slice/app-gnome\\x2dterminal\\x2dserver.scope\n' > $s/cgroup_path/seed-user-escaped
+printf '0::/machine.slice/libpod-4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4.scope/container\n' > $s/cgroup_path/seed-podman
+cat /proc/self/cgroup > $s/cgroup_path/seed-this-machine
+ls -l $s/*

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Runs every cargo-fuzz target for SECONDS each (default 60), two at a time on machines
+# with two or more CPUs, starting from the committed seeds (fuzz/seeds/<target>) and the
+# regression inputs (fuzz/regressions/<target>, every crash ever found, which must pass
+# first). Prints each target's libFuzzer statistics; exits non-zero on any crash, leak,
+# timeout (-timeout, seconds per input) or memory blow-up (-rss_limit_mb).
+#   fuzz/run.sh 600        # ten minutes per target
+set -euo pipefail
+cd "$(dirname "$0")"
+secs="${1:-60}"
+case "$secs" in ''|*[!0-9]*) echo "usage: fuzz/run.sh [SECONDS]" >&2; exit 2 ;; esac
+if ! command -v cargo-fuzz >/dev/null; then
+    cargo install cargo-fuzz --locked --version 0.13.2
+fi
+# cargo fuzz passes nightly-only flags (-Zsanitizer); the machine has a stable toolchain,
+# whose compiler accepts them with RUSTC_BOOTSTRAP.
+export RUSTC_BOOTSTRAP=1
+targets=$(cargo fuzz list)
+cargo fuzz build --release
+mkdir -p logs
+run_one() {
+    local t=$1
+    mkdir -p "corpus/$t" "regressions/$t"
+    # Regressions: each input once.
+    if [ -n "$(ls -A "regressions/$t")" ]; then
+        cargo fuzz run --release "$t" "regressions/$t" -- -runs=0 >"logs/$t.regressions" 2>&1 \
+            || { echo "$t: a regression input fails again (logs/$t.regressions)"; return 1; }
+    fi
+    if cargo fuzz run --release "$t" "corpus/$t" "seeds/$t" -- \
+        -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+        >"logs/$t.log" 2>&1; then
+        local execs cov
+        execs=$(awk '/stat::number_of_executed_units/{print $2}' "logs/$t.log")
+        cov=$(grep -o 'cov: [0-9]*' "logs/$t.log" | tail -1)
+        echo "$t: clean for ${secs}s, ${execs:-?} inputs, ${cov:-cov: ?}, corpus $(ls "corpus/$t" | wc -l)"
+    else
+        echo "$t: FAILED — see fuzz/logs/$t.log and fuzz/artifacts/$t/"
+        tail -30 "logs/$t.log"
+        return 1
+    fi
+}
+status=0
+jobs=$(( $(nproc) >= 2 ? 2 : 1 ))
+set -- $targets
+while [ $# -gt 0 ]; do
+    pids=()
+    for _ in $(seq "$jobs"); do
+        [ $# -gt 0 ] || break
+        run_one "$1" & pids+=($!)
+        shift
+    done
+    for p in "${pids[@]}"; do wait "$p" || status=1; done
+done
+exit $status

@@ -1,0 +1,137 @@
+"""Pure pieces of the benchmark suite: statistics, ratio math and the parsers of what
+each profiler prints. Unit-tested by tests/bench/test_benchlib.py (no root needed)."""
+import math
+import re
+import statistics
+
+
+def med(xs):
+    """(median, min, max) of the finite values of xs; NaNs when there are none."""
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return (math.nan, math.nan, math.nan)
+    return (statistics.median(xs), min(xs), max(xs))
+
+
+def ratios(values, baseline):
+    """Each value divided by the median of the baseline runs of the same session."""
+    base = med(baseline)[0]
+    if not base or math.isnan(base):
+        return [math.nan for _ in values]
+    return [v / base for v in values]
+
+
+def expected_samples(hz, seconds, cpus):
+    return hz * seconds * cpus
+
+
+def fmt(t, spec="{:.3g}"):
+    """'median (min–max)'; '–' when nothing was measured."""
+    if any(math.isnan(x) for x in t):
+        return "–"
+    return f"{spec.format(t[0])} ({spec.format(t[1])}–{spec.format(t[2])})"
+
+
+def parse_busy(text):
+    """The busy workload's report: iterations per second and its CPU seconds."""
+    ips = re.search(r"iterations_per_second ([\d.]+)", text)
+    cpu = re.search(r"cpu_seconds ([\d.]+)", text)
+    return (float(ips.group(1)) if ips else math.nan, float(cpu.group(1)) if cpu else math.nan)
+
+
+def parse_fdinfo_bpf(text):
+    """(run_time_ns, run_cnt) of a BPF program fd's fdinfo; None for other fds."""
+    if "prog_type" not in text:
+        return None
+    ns = re.search(r"run_time_ns:\s+(\d+)", text)
+    cnt = re.search(r"run_cnt:\s+(\d+)", text)
+    if not ns or not cnt:
+        return None
+    return int(ns.group(1)), int(cnt.group(1))
+
+
+def parse_prometheus(text):
+    """name → value of a Prometheus text exposition without labels (firn's /metrics)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) == 2 and "{" not in parts[0]:
+            try:
+                out[parts[0]] = float(parts[1])
+            except ValueError:
+                pass
+    return out
+
+
+def parse_bpftrace_counts(text, comm):
+    """Sum of the counts of bpftrace's `@[kstack, ustack, comm] = count()` entries whose
+    comm is `comm`, and the sum over all entries."""
+    mine = total = 0
+    for m in re.finditer(r"^(?:, )?([^\n]*)\]: (\d+)$", text, re.M):
+        key, n = m.group(1), int(m.group(2))
+        total += n
+        # The last key element follows the final ", " on the closing line.
+        if key.rsplit(", ", 1)[-1].strip() == comm:
+            mine += n
+    return mine, total
+
+
+def parse_folded(text, comm):
+    """BCC profile -f (folded) output: (samples of comm, all samples, missed stacks)."""
+    mine = total = missed = 0
+    for line in text.splitlines():
+        stack, sep, n = line.rpartition(" ")
+        if not sep or not n.isdigit():
+            continue
+        n = int(n)
+        total += n
+        if stack.split(";", 1)[0] == comm:
+            mine += n
+        if "[Missed User Stack]" in stack or "[Missed Kernel Stack]" in stack:
+            missed += n
+    return mine, total, missed
+
+
+def parse_bcc_warnings(text):
+    """Stack traces BCC's profile says it lost or could not show."""
+    lost = 0
+    for m in re.finditer(r"WARNING: (\d+) stack traces (?:lost|could not be displayed)", text):
+        lost += int(m.group(1))
+    return lost
+
+
+def parse_perf_record_stderr(text):
+    """perf record's closing lines: (samples written, chunks lost)."""
+    samples = re.search(r"\((\d+) samples\)", text)
+    lost = re.search(r"lost (\d+) chunks", text)
+    return (int(samples.group(1)) if samples else 0, int(lost.group(1)) if lost else 0)
+
+
+def count_comm_lines(text, comm):
+    """Lines of `perf script -F comm` output naming comm."""
+    return sum(1 for line in text.splitlines() if line.strip() == comm)
+
+
+def trend_per_minute(points):
+    """Least-squares slope of (seconds, value) points, per minute: a growth trend."""
+    if len(points) < 2:
+        return math.nan
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    if den == 0:
+        return math.nan
+    return 60 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den
+
+
+def replace_section(text, name, body):
+    """Replaces what lies between <!-- name:start --> and <!-- name:end -->, adding the
+    pair at the end when it is missing."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    if start not in text or end not in text:
+        return text.rstrip("\n") + f"\n\n{start}\n{body}\n{end}\n"
+    i, j = text.index(start) + len(start), text.index(end)
+    return text[:i] + "\n" + body + "\n" + text[j:]

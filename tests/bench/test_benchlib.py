@@ -1,0 +1,101 @@
+"""Unit tests of the benchmark suite's parsing and ratio math:
+`python3 -m unittest discover -s tests/bench` (tests/run.sh runs them)."""
+import math
+import unittest
+
+import benchlib as b
+
+# Shapes copied from real output on this machine (bpftrace v0.17.0, BCC profile -f,
+# perf record's closing lines).
+BPFTRACE = """Attaching 1 probe...
+
+
+@[,
+    0x7f9df5c0002a
+, rustc]: 1
+@[, , busy-bench]: 2
+@[
+    exc_page_fault+215
+    asm_exc_page_fault+34
+,
+    hot_leaf+20
+    middle+9
+, busy-bench]: 40
+@[
+    pv_native_safe_halt+11
+    default_idle+5
+, , swapper/0]: 3
+"""
+
+FOLDED = """busy-bench;outer;middle;hot_leaf 120
+busy-bench;[Missed User Stack] 2
+opt cgu.0;[unknown];llvm::MDTuple::getImpl(llvm::LLVMContext&, llvm::ArrayRef<llvm::Metadata*>) 1
+rustc;[unknown] 7
+"""
+
+
+class Stats(unittest.TestCase):
+    def test_med_ignores_nan(self):
+        self.assertEqual(b.med([3.0, math.nan, 1.0, 2.0]), (2.0, 1.0, 3.0))
+
+    def test_med_of_nothing_is_nan(self):
+        self.assertTrue(all(math.isnan(x) for x in b.med([math.nan])))
+
+    def test_ratios_use_the_baseline_median(self):
+        self.assertEqual(b.ratios([90.0, 110.0], [100.0, 50.0, 200.0]), [0.9, 1.1])
+
+    def test_ratios_without_baseline_are_nan(self):
+        self.assertTrue(math.isnan(b.ratios([1.0], [])[0]))
+
+    def test_expected_samples(self):
+        self.assertEqual(b.expected_samples(99, 30, 2), 5940)
+
+    def test_fmt(self):
+        self.assertEqual(b.fmt((1.0, 0.5, 2.0), "{:.1f}"), "1.0 (0.5–2.0)")
+        self.assertEqual(b.fmt((math.nan,) * 3), "–")
+
+    def test_trend(self):
+        self.assertAlmostEqual(b.trend_per_minute([(0, 10), (60, 12), (120, 14)]), 2.0)
+        self.assertTrue(math.isnan(b.trend_per_minute([(0, 1)])))
+
+
+class Parsers(unittest.TestCase):
+    def test_busy(self):
+        self.assertEqual(b.parse_busy("ready 12\niterations_per_second 812.5\ncpu_seconds 59.9\n"),
+                         (812.5, 59.9))
+        self.assertTrue(math.isnan(b.parse_busy("killed")[0]))
+
+    def test_fdinfo(self):
+        prog = "pos:\t0\nflags:\t02000002\nprog_type:\t7\nrun_time_ns:\t1234\nrun_cnt:\t10\n"
+        self.assertEqual(b.parse_fdinfo_bpf(prog), (1234, 10))
+        self.assertIsNone(b.parse_fdinfo_bpf("pos:\t0\nflags:\t02\n"))
+
+    def test_prometheus(self):
+        m = b.parse_prometheus("# TYPE x counter\nfirn_samples_received 42\nbad line here\nx{a=\"b\"} 1\n")
+        self.assertEqual(m, {"firn_samples_received": 42.0})
+
+    def test_bpftrace(self):
+        self.assertEqual(b.parse_bpftrace_counts(BPFTRACE, "busy-bench"), (42, 46))
+
+    def test_folded(self):
+        self.assertEqual(b.parse_folded(FOLDED, "busy-bench"), (122, 130, 2))
+
+    def test_bcc_warnings(self):
+        text = "WARNING: 8 stack traces could not be displayed. Consider increasing --stack-storage-size.\n"
+        self.assertEqual(b.parse_bcc_warnings(text), 8)
+
+    def test_perf_record(self):
+        text = ("[ perf record: Woken up 3 times to write data ]\n"
+                "Processed 5000 events and lost 2 chunks!\n"
+                "[ perf record: Captured and wrote 1.2 MB perf.data (5940 samples) ]\n")
+        self.assertEqual(b.parse_perf_record_stderr(text), (5940, 2))
+        self.assertEqual(b.count_comm_lines("  busy-bench\nbash\nbusy-bench\n", "busy-bench"), 2)
+
+    def test_replace_section(self):
+        t = "a\n<!-- s:start -->\nold\n<!-- s:end -->\nb\n"
+        self.assertEqual(b.replace_section(t, "s", "new"), "a\n<!-- s:start -->\nnew\n<!-- s:end -->\nb\n")
+        self.assertIn("<!-- t:start -->\nx\n<!-- t:end -->", b.replace_section(t, "t", "x"))
+
+
+if __name__ == "__main__":
+    unittest.main()
