@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Runs every cargo-fuzz target for SECONDS each (default 60), two at a time on machines
-# with two or more CPUs, starting from the committed seeds (fuzz/seeds/<target>) and the
-# regression inputs (fuzz/regressions/<target>, every crash ever found, which must pass
-# first). Prints each target's libFuzzer statistics; exits non-zero on any crash, leak,
+# Runs every cargo-fuzz target for SECONDS each (default 60), all at once, starting
+# from the committed seeds (fuzz/seeds/<target>) after the regression inputs
+# (fuzz/regressions/<target>: every crash ever found, each of which must pass). Prints each target's libFuzzer statistics; exits non-zero on any crash, leak,
 # timeout (-timeout, seconds per input) or memory blow-up (-rss_limit_mb).
 #   fuzz/run.sh 600        # ten minutes per target
 set -euo pipefail
@@ -16,17 +15,19 @@ fi
 # whose compiler accepts them with RUSTC_BOOTSTRAP.
 export RUSTC_BOOTSTRAP=1
 targets=$(cargo fuzz list)
-cargo fuzz build --release
+# FUZZ_PROFILE=--dev builds unoptimised: minutes faster to compile, slower to run (CI).
+profile="${FUZZ_PROFILE:---release}"
+cargo fuzz build "$profile"
 mkdir -p logs
 run_one() {
     local t=$1
     mkdir -p "corpus/$t" "regressions/$t"
     # Regressions: each input once.
-    if [ -n "$(ls -A "regressions/$t")" ]; then
-        cargo fuzz run --release "$t" "regressions/$t" -- -runs=0 >"logs/$t.regressions" 2>&1 \
+    if [ -n "$(ls "regressions/$t")" ]; then
+        cargo fuzz run "$profile" "$t" "regressions/$t" -- -runs=0 >"logs/$t.regressions" 2>&1 \
             || { echo "$t: a regression input fails again (logs/$t.regressions)"; return 1; }
     fi
-    if cargo fuzz run --release "$t" "corpus/$t" "seeds/$t" -- \
+    if cargo fuzz run "$profile" "$t" "corpus/$t" "seeds/$t" -- \
         -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
         >"logs/$t.log" 2>&1; then
         local execs cov
@@ -39,16 +40,12 @@ run_one() {
         return 1
     fi
 }
+# All targets at once: on a 2-CPU machine each gets a share of the CPUs for the whole
+# SECONDS, which keeps CI's fuzzing to about SECONDS of wall time.
 status=0
-jobs=$(( $(nproc) >= 2 ? 2 : 1 ))
-set -- $targets
-while [ $# -gt 0 ]; do
-    pids=()
-    for _ in $(seq "$jobs"); do
-        [ $# -gt 0 ] || break
-        run_one "$1" & pids+=($!)
-        shift
-    done
-    for p in "${pids[@]}"; do wait "$p" || status=1; done
+pids=()
+for t in $targets; do
+    run_one "$t" & pids+=($!)
 done
+for p in "${pids[@]}"; do wait "$p" || status=1; done
 exit $status

@@ -1,5 +1,6 @@
-//! The enricher's per-round path, per stage: symbolize (cold and cached), aggregate
-//! into pprof + gzip encode, at 1k / 10k / 100k unique stacks.
+//! The enricher's per-round path, per stage: decode (the batch message through the
+//! reader limits and validation), symbolize (cold and cached), aggregate into pprof +
+//! gzip encode, at 1k / 10k / 100k unique stacks.
 //!
 //! Input: stacks made of real function addresses of a real binary (this benchmark's own
 //! executable, a few MiB of Rust with DWARF), drawn with a fixed seed, 16–40 frames deep
@@ -93,6 +94,21 @@ fn bench(c: &mut Criterion) {
         g.sample_size(10);
         g.throughput(Throughput::Elements(samples));
 
+        let wire = batch_message(&st, mapping.start);
+        g.bench_function(BenchmarkId::new("decode", n), |b| {
+            b.iter(|| {
+                let msg = capnp::serialize::read_message_from_flat_slice(
+                    &mut &wire[..],
+                    firn_schema::enricher_reader_options(),
+                )
+                .expect("read");
+                let root = msg
+                    .get_root::<firn_schema::firn_capnp::batch::Reader>()
+                    .expect("root");
+                firn_enricher::batch::decode(root).expect("decode").samples.len()
+            })
+        });
+
         g.bench_function(BenchmarkId::new("symbolize", "cold"), |b| {
             b.iter(|| {
                 let mut s = Symbolizer::new(4, metrics.clone());
@@ -141,6 +157,28 @@ fn bench(c: &mut Criterion) {
         });
         g.finish();
     }
+}
+
+/// A batch as the sampler sends it: one sample entry per stack, user frames only.
+fn batch_message(stacks: &[Vec<u64>], base: u64) -> Vec<u8> {
+    let mut m = capnp::message::Builder::new_default();
+    let mut b = m.init_root::<firn_schema::firn_capnp::batch::Builder>();
+    b.set_round(1);
+    b.set_frequency_hz(19);
+    let mut list = b.init_samples(stacks.len() as u32);
+    for (i, st) in stacks.iter().enumerate() {
+        let mut s = list.reborrow().get(i as u32);
+        s.set_process_id(1);
+        s.set_pid(1);
+        s.set_tid(1);
+        s.set_comm(b"bench");
+        s.set_count(SAMPLES_PER_STACK);
+        let mut f = s.init_user_frames(st.len() as u32);
+        for (j, o) in st.iter().enumerate() {
+            f.set(j as u32, base + o);
+        }
+    }
+    capnp::serialize::write_message_to_words(&m)
 }
 
 criterion_group!(benches, bench);

@@ -163,29 +163,39 @@ pub fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Ref
     }
 }
 
-/// Token bucket bounding broker requests per subscriber.
+/// Token bucket: `rate` per second sustained, `burst` at once.
 pub struct RateLimit {
     tokens: f64,
+    rate: f64,
+    burst: f64,
     last: std::time::Instant,
 }
 
-/// Sustained opens per second and burst per subscriber.
-const RATE: f64 = 200.0;
-const BURST: f64 = 2_000.0;
+/// Broker opens per subscriber: sustained per second, and burst.
+pub const BROKER_RATE: f64 = 200.0;
+pub const BROKER_BURST: f64 = 2_000.0;
 
 impl Default for RateLimit {
+    /// The broker's limit.
     fn default() -> Self {
-        Self {
-            tokens: BURST,
-            last: std::time::Instant::now(),
-        }
+        Self::new(BROKER_RATE, BROKER_BURST)
     }
 }
 
 impl RateLimit {
+    pub fn new(rate: f64, burst: f64) -> Self {
+        Self {
+            tokens: burst,
+            rate,
+            burst,
+            last: std::time::Instant::now(),
+        }
+    }
+
     pub fn allow(&mut self) -> bool {
         let now = std::time::Instant::now();
-        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * RATE).min(BURST);
+        self.tokens = (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate)
+            .min(self.burst);
         self.last = now;
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;

@@ -48,6 +48,11 @@ pub struct Args {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub max_connections: u32,
 
+    /// Seconds a client may leave its answers unread (once the socket buffer is full)
+    /// before its connection is closed and counted.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub write_stall_seconds: u64,
+
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
     pub log: String,

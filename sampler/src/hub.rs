@@ -28,6 +28,9 @@ pub struct Subscriber {
     /// its broker requests may refer to.
     sent: RefCell<HashMap<u64, (u32, Rc<ProcessRecord>)>>,
     pub dropped: Cell<u64>,
+    /// The highest process id ever sent to this subscriber: a request above it names a
+    /// process it was never told of (below it, one may since have been forgotten).
+    pub max_sent: Cell<u64>,
     closed: Cell<bool>,
     /// Binds the broker channel to this subscription.
     pub broker_key: [u8; 16],
@@ -93,6 +96,7 @@ impl Hub {
             queue: RefCell::new(VecDeque::new()),
             wake: Notify::new(),
             sent: RefCell::new(HashMap::new()),
+            max_sent: Cell::new(0),
             dropped: Cell::new(0),
             closed: Cell::new(false),
             broker_key,
@@ -141,6 +145,7 @@ impl Hub {
                 .collect();
             for p in &processes {
                 sent.insert(p.id, (p.version, p.record.clone()));
+                sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {

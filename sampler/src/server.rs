@@ -2,9 +2,11 @@
 //! like a privilege-separation monitor (wrong version → error; malformed → the
 //! connection is closed and counted).
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
+use std::pin::Pin;
 use std::rc::Rc;
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
 use firn_schema::firn_capnp::{batch_sink, sampler, subscription, Refusal};
@@ -14,11 +16,24 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
+use crate::broker::RateLimit;
 use crate::counters::Counters;
 use crate::encode::{self, BatchMeta};
 use crate::hub::{Hub, Subscriber};
 
 const STREAM_WINDOW_BYTES: usize = 16 * 1024;
+
+/// Calls per connection (any method): sustained per second, and burst. Above the
+/// broker's own limit, so a client that asks a little too fast is refused opens first
+/// and only a flood is disconnected.
+const CALL_RATE: f64 = 250.0;
+const CALL_BURST: f64 = 2_500.0;
+/// `info` answers are the largest (every counter); a status call, rarely needed.
+const INFO_RATE: f64 = 5.0;
+const INFO_BURST: f64 = 50.0;
+/// A connection whose writes have not progressed for this long is not reading what it
+/// asked for: closed, so its unread answers cannot pile up in the sampler's memory.
+pub const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
 /// What `info` reports and every batch is stamped with.
 pub struct Identity {
@@ -36,6 +51,8 @@ pub struct Shared {
     pub identity: Identity,
     pub connections: Cell<u32>,
     pub max_connections: u32,
+    /// See [`WRITE_STALL_LIMIT`]; shorter in tests.
+    pub write_stall_limit: Duration,
 }
 
 fn bump(c: &Cell<u64>) {
@@ -43,10 +60,41 @@ fn bump(c: &Cell<u64>) {
 }
 
 /// Per-connection control: closing it ends the connection's RPC system.
-#[derive(Default)]
 struct Conn {
     kill: Notify,
     subscribed: Cell<bool>,
+    calls: RefCell<RateLimit>,
+    info_calls: RefCell<RateLimit>,
+}
+
+impl Default for Conn {
+    fn default() -> Self {
+        Self {
+            kill: Notify::new(),
+            subscribed: Cell::new(false),
+            calls: RefCell::new(RateLimit::new(CALL_RATE, CALL_BURST)),
+            info_calls: RefCell::new(RateLimit::new(INFO_RATE, INFO_BURST)),
+        }
+    }
+}
+
+/// Admits one call on `conn`, or counts a flood and closes the connection.
+fn admit(conn: &Rc<Conn>, shared: &Shared, info: bool) -> Result<(), capnp::Error> {
+    let ok = conn.calls.borrow_mut().allow() && (!info || conn.info_calls.borrow_mut().allow());
+    if ok {
+        return Ok(());
+    }
+    bump(&shared.counters.request_floods);
+    if shared.counters.request_floods.get().is_power_of_two() {
+        tracing::warn!(
+            floods = shared.counters.request_floods.get(),
+            "a client sent calls faster than allowed; closing its connection"
+        );
+    }
+    conn.close_soon();
+    Err(capnp::Error::overloaded(
+        "too many calls on this connection; closing it".into(),
+    ))
 }
 
 impl Conn {
@@ -98,6 +146,7 @@ impl sampler::Server for SamplerImpl {
         mut results: sampler::InfoResults,
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let r = (|| {
+            admit(&self.conn, &self.shared, true)?;
             let version = params
                 .get()
                 .map_err(|e| self.bad_request("info", e))?
@@ -131,6 +180,7 @@ impl sampler::Server for SamplerImpl {
         mut results: sampler::SubscribeResults,
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let r = (|| {
+            admit(&self.conn, &self.shared, false)?;
             let p = params.get().map_err(|e| self.bad_request("subscribe", e))?;
             self.check_version(p.get_protocol_version())?;
             if self.conn.subscribed.replace(true) {
@@ -212,10 +262,25 @@ impl subscription::Server for SubscriptionImpl {
         mut results: subscription::OpenMappingResults,
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let r = (|| {
+            admit(&self.conn, &self.shared, false)?;
             let p = params.get().inspect_err(|_| {
                 bump(&self.shared.counters.bad_requests);
                 self.conn.close_soon();
             })?;
+            if p.get_process_id() > self.sub.max_sent.get() {
+                // Never sent to this subscriber: a guess (another session's id, or a
+                // scan), not a race with a forgotten process.
+                bump(&self.shared.counters.broker_requests_never_issued);
+                tracing::warn!(
+                    subscriber = self.sub.id,
+                    process_id = p.get_process_id(),
+                    "broker request for a process never sent to this subscriber; closing"
+                );
+                self.conn.close_soon();
+                return Err(capnp::Error::failed(
+                    "openMapping for a process this subscription was never sent".into(),
+                ));
+            }
             let outcome = self.open(
                 p.get_process_id(),
                 p.get_mapping_index(),
@@ -331,9 +396,14 @@ fn done(shared: &Shared) {
 async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared>) {
     let (r, w) = stream.into_split();
     let reader = futures::io::Cursor::new(first.to_vec()).chain(r.compat());
+    let stalled_since = Rc::new(Cell::new(None));
+    let writer = StallWatch {
+        inner: w.compat_write(),
+        since: stalled_since.clone(),
+    };
     let mut network = twoparty::VatNetwork::new(
         reader,
-        w.compat_write(),
+        writer,
         Side::Server,
         firn_schema::sampler_reader_options(),
     );
@@ -355,6 +425,61 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
             }
         }
         _ = conn.kill.notified() => {}
+        _ = write_stalled(stalled_since, shared.write_stall_limit) => {
+            bump(&shared.counters.stalled_connections);
+            tracing::warn!(
+                seconds = shared.write_stall_limit.as_secs(),
+                "a client stopped reading its answers; closing its connection"
+            );
+        }
     }
     done(&shared);
+}
+
+/// Resolves once `since` has said "stalled" for longer than `limit`.
+async fn write_stalled(since: Rc<Cell<Option<Instant>>>, limit: Duration) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500).min(limit)).await;
+        if since.get().is_some_and(|t| t.elapsed() >= limit) {
+            return;
+        }
+    }
+}
+
+/// The connection's writer, noting since when a write has been waiting for the peer.
+struct StallWatch<W> {
+    inner: W,
+    since: Rc<Cell<Option<Instant>>>,
+}
+
+impl<W> StallWatch<W> {
+    fn note<T>(&self, p: &Poll<T>) {
+        match p {
+            Poll::Pending if self.since.get().is_none() => self.since.set(Some(Instant::now())),
+            Poll::Pending => {}
+            Poll::Ready(_) => self.since.set(None),
+        }
+    }
+}
+
+impl<W: futures::AsyncWrite + Unpin> futures::AsyncWrite for StallWatch<W> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let p = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.note(&p);
+        p
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let p = Pin::new(&mut self.inner).poll_flush(cx);
+        self.note(&p);
+        p
+    }
+
+    fn poll_close(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_close(cx)
+    }
 }

@@ -189,7 +189,11 @@ def stop_measured(p, sig):
     started it)."""
     hwm = sum(status_kib(q, "VmHWM") for q in tree(p.pid))
     p.send_signal(sig)
+    deadline = time.time() + 120
     while True:
+        if time.time() > deadline:
+            p.kill()
+            raise RuntimeError(f"{p.args[0]} did not exit within 120 s of signal {sig}")
         hwm = max(hwm, sum(status_kib(q, "VmHWM") for q in tree(p.pid)))
         pid, _, ru = os.wait4(p.pid, os.WNOHANG)
         if pid == p.pid:
@@ -288,8 +292,9 @@ class Firn:
         lost = {
             "bpf_maps": sum(m.get(f"firn_sampler_{k}", 0) for k in (
                 "bpf_user_stack_lost", "bpf_kernel_stack_lost", "bpf_counts_map_full")),
-            "sampler_queue": m.get("firn_batches_dropped_upstream", 0),
-            "enricher": m.get("firn_batches_rejected", 0) + m.get("firn_sink_errors", 0),
+            "sampler_queue": m.get("firn_sampler_batches_dropped", 0),
+            "enricher": sum(m.get(f"firn_enricher_{k}_total", 0) for k in (
+                "batches_rejected", "sink_errors", "sink_disk_full")),
         }
         shutil.rmtree(self.tmp, ignore_errors=True)
         return {"cpu_total": scpu + ecpu, "cpu_total_sampler": scpu, "cpu_total_enricher": ecpu,
@@ -608,13 +613,16 @@ def write_report(res, update):
                 r = s[key]
                 share = r["attributed"] / r["by_comm"] if r["by_comm"] else float("nan")
                 mt = r["metrics"]
-                hits, misses = mt.get("firn_symbol_cache_hits", 0), mt.get("firn_symbol_cache_misses", 0)
+                hits = mt.get("firn_enricher_symbol_cache_hits_total", 0)
+                misses = mt.get("firn_enricher_symbol_cache_misses_total", 0)
                 lines.append(
                     f"| {r['label']}: {r['rate']}/s × ~20 ms over {r['executables']} executable(s), {r['seconds']} s | "
                     f"{r['attributed']}/{r['by_comm']} samples attributed to the right executable ({share:.1%}); "
                     f"enricher CPU {r['enricher_cpu_per_s'] * 1000:.1f} ms/s, RSS max {r['rss_max_mib']:.1f} MiB, "
                     f"trend {r['rss_trend_mib_per_min']:+.2f} MiB/min; binaries loaded "
-                    f"{mt.get('firn_binaries_loaded', 0):.0f}, evicted {mt.get('firn_binaries_evicted', 0):.0f}; "
+                    f"{mt.get('firn_enricher_binaries_loaded_total', 0):.0f}, evicted "
+                    f"{mt.get('firn_enricher_binaries_evicted_total', 0):.0f}, cached at the end "
+                    f"{mt.get('firn_enricher_binaries_cached', 0):.0f}; "
                     f"frame cache hit rate {hits / max(1, hits + misses):.1%}; sampler processes gone before "
                     f"/proc read {mt.get('firn_sampler_processes_gone', 0):.0f} |")
         sections["bench-scale"] = "\n".join(lines)
@@ -657,6 +665,9 @@ def main():
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root: sudo python3 tests/bench/firn_bench.py")
+    # Started in the background (nohup, &), SIGINT is ignored and children inherit that;
+    # the profilers are stopped with SIGINT, so give them the default back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.smoke:
         args.seconds, args.pairs, args.frequencies, args.profilers = 20, 1, "99", "firn"
         args.round, args.parts, args.no_update = 2, "overhead", True

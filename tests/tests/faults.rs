@@ -1,0 +1,181 @@
+//! Faults: the output directory made read-only or removed while running, a mapped
+//! binary deleted or replaced under a running process, ten thousand short-lived
+//! processes within one round, a CPU taken offline and back.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--round", "1", "--frequency", "99"];
+
+fn alive(p: &mut Proc) -> bool {
+    p.child.try_wait().unwrap().is_none()
+}
+
+fn metric_grows(f: &Firn, name: &str, from: f64, timeout: Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < timeout {
+        if f.metric(name).unwrap_or(0.0) > from {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+#[test]
+fn output_directory_read_only_then_removed() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("outdir", FAST);
+    let w = start_workload(&workload("busy"), &["40"]);
+    f.wait_profiles(w.pid(), 2, 15 * SECS);
+    let written = "firn_enricher_rounds_written_total";
+    let errors = "firn_enricher_sink_errors_total";
+
+    // Read-only: rounds fail, are counted, the enricher lives; writable again: resumes.
+    std::fs::set_permissions(&f.out, std::fs::Permissions::from_mode(0o555)).unwrap();
+    let e0 = f.metric(errors).unwrap_or(0.0);
+    assert!(metric_grows(&f, errors, e0, 10 * SECS), "read-only rounds not counted");
+    assert!(alive(f.enricher.as_mut().unwrap()), "enricher died on a read-only directory");
+    std::fs::set_permissions(&f.out, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let w0 = f.metric(written).unwrap_or(0.0);
+    assert!(metric_grows(&f, written, w0, 10 * SECS), "writing did not resume");
+
+    // Removed: counted; recreated: resumes, and no partial round is left behind.
+    std::fs::remove_dir_all(&f.out).unwrap();
+    let e1 = f.metric(errors).unwrap_or(0.0);
+    assert!(metric_grows(&f, errors, e1, 10 * SECS), "rounds into a removed directory not counted");
+    assert!(alive(f.enricher.as_mut().unwrap()), "enricher died on a removed directory");
+    std::fs::create_dir(&f.out).unwrap();
+    nix::unistd::chown(
+        &f.out,
+        Some(nix::unistd::Uid::from_raw(f.user.0)),
+        Some(nix::unistd::Gid::from_raw(f.user.1)),
+    )
+    .unwrap();
+    let w1 = f.metric(written).unwrap_or(0.0);
+    assert!(metric_grows(&f, written, w1, 10 * SECS), "writing did not resume in the new directory");
+    assert!(f.wait_profiles(w.pid(), 1, 10 * SECS).len() >= 1);
+    for entry in std::fs::read_dir(&f.out).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        assert!(!name.starts_with(".tmp-"), "partial round left: {name}");
+    }
+}
+
+/// Copies the busy workload to `dir` and starts it from there.
+fn busy_copy(dir: &Path, name: &str, secs: &str) -> (Proc, std::path::PathBuf) {
+    let exe = dir.join(name);
+    std::fs::copy(workload("busy"), &exe).unwrap();
+    let p = start_workload(&exe, &[secs]);
+    (p, exe)
+}
+
+#[test]
+fn mapped_binary_deleted_or_replaced_while_running() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("deleted", FAST);
+    let dir = TempDir::new("deleted-bin");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Deleted before the enricher could ask for it.
+    let (gone, exe) = busy_copy(dir.path(), "busy-deleted", "20");
+    std::fs::remove_file(&exe).unwrap();
+    // Replaced by another file at the same path.
+    let (swapped, exe2) = busy_copy(dir.path(), "busy-swapped", "20");
+    let tmp = dir.path().join("other");
+    std::fs::write(&tmp, b"#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::rename(&tmp, &exe2).unwrap();
+
+    let p1 = f.wait_profiles(gone.pid(), 2, 15 * SECS);
+    let p2 = f.wait_profiles(swapped.pid(), 2, 15 * SECS);
+    assert!(p1.len() >= 2 && p2.len() >= 2, "no profiles of the two processes");
+    let deleted = f.metric("firn_sampler_broker_refused_deleted").unwrap_or(0.0);
+    let identity = f.metric("firn_sampler_broker_refused_identity").unwrap_or(0.0)
+        + f.metric("firn_sampler_broker_refused_not_regular").unwrap_or(0.0);
+    assert!(deleted >= 1.0, "deleted binary not refused and counted");
+    assert!(identity >= 1.0, "replaced binary not refused and counted");
+    assert!(alive(&mut f.sampler) && alive(f.enricher.as_mut().unwrap()));
+    // Their samples are kept, as addresses: nothing is attributed to the wrong file.
+    let text = go_pprof(&["-traces"], &p2);
+    assert!(!text.contains("hot_leaf"), "a replaced binary's symbols were used");
+}
+
+#[test]
+fn ten_thousand_short_lived_processes_in_one_round() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("storm", &["--round", "15", "--frequency", "99"]);
+    let churn = compile("churn.c", "churn", &[]);
+    let w = start_workload(&workload("busy"), &["60"]);
+    // Over 10,000 processes in 12 s, inside one 15 s round.
+    let out = Command::new(&churn)
+        .args(["12", "900", "/bin/true"])
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    let started: u64 = report
+        .lines()
+        .find_map(|l| l.strip_prefix("started ").and_then(|n| n.trim().parse().ok()))
+        .unwrap_or(0);
+    assert!(started >= 10_000, "only {started} processes started: {report}");
+    let before = f.profiles_of(w.pid()).len();
+    let after = f.wait_profiles(w.pid(), before + 2, 40 * SECS);
+    assert!(after.len() >= before + 2, "rounds stopped after the storm");
+    assert!(alive(&mut f.sampler) && alive(f.enricher.as_mut().unwrap()));
+    let gone = f.metric("firn_sampler_processes_gone").unwrap_or(0.0);
+    eprintln!("storm: {report}; processes gone before /proc read: {gone}");
+    let rss = rss_kib(f.sampler.pid()).unwrap_or(0);
+    assert!(rss < 24 * 1024, "sampler RSS {rss} KiB after the storm");
+}
+
+#[test]
+fn cpu_offline_and_back() {
+    if !can_run_bpf() {
+        return;
+    }
+    let ctl = Path::new("/sys/devices/system/cpu/cpu1/online");
+    if std::fs::write(ctl, "1").is_err() {
+        // Said in the README's reliability section: not every machine lets a CPU go.
+        eprintln!("cpu1 cannot be taken offline here; skipped");
+        return;
+    }
+    struct Online;
+    impl Drop for Online {
+        fn drop(&mut self) {
+            let _ = std::fs::write("/sys/devices/system/cpu/cpu1/online", "1");
+        }
+    }
+    let _online = Online;
+    let mut f = Firn::start("hotplug", FAST);
+    std::fs::write(ctl, "0").unwrap();
+    let w0 = start_workload(&workload("busy"), &["6"]);
+    assert!(
+        f.wait_profiles(w0.pid(), 2, 15 * SECS).len() >= 2,
+        "no sampling with cpu1 offline"
+    );
+    std::fs::write(ctl, "1").unwrap();
+    std::thread::sleep(SECS);
+    // A workload pinned to the returned CPU: its samples can only come from cpu1.
+    let mut cmd = Command::new("taskset");
+    cmd.args(["-c", "1"]).arg(workload("busy")).arg("6");
+    let pinned = Proc::spawn("pinned", cmd);
+    assert!(pinned.wait_for("ready", 10 * SECS).is_some());
+    let pid: u32 = pinned
+        .lines()
+        .iter()
+        .find_map(|l| l.strip_prefix("ready ").and_then(|p| p.trim().parse().ok()))
+        .unwrap();
+    assert!(
+        f.wait_profiles(pid, 2, 15 * SECS).len() >= 2,
+        "sampling did not resume on cpu1 after it came back"
+    );
+    assert!(alive(&mut f.sampler));
+}
