@@ -105,7 +105,10 @@ fn bench(c: &mut Criterion) {
                 let root = msg
                     .get_root::<firn_schema::firn_capnp::batch::Reader>()
                     .expect("root");
-                firn_enricher::batch::decode(root).expect("decode").samples.len()
+                firn_enricher::batch::decode(root)
+                    .expect("decode")
+                    .samples
+                    .len()
             })
         });
 

@@ -124,6 +124,17 @@ pub fn online_cpus() -> std::io::Result<Vec<u32>> {
     })
 }
 
+/// An online CPU the program no longer samples: one that came online after setup, or
+/// one attached at setup whose sample count (`before` → `now`, per CPU, idle included)
+/// stood still over a whole round. Taking a CPU offline ends its perf event for good,
+/// and a confined sampler cannot open a new one.
+pub fn unsampled_cpu(attached: &[u32], online: &[u32], before: &[u64], now: &[u64]) -> Option<u32> {
+    online.iter().copied().find(|&cpu| {
+        let i = cpu as usize;
+        !attached.contains(&cpu) || before.get(i).zip(now.get(i)).is_some_and(|(b, n)| n == b)
+    })
+}
+
 /// Parses the kernel's CPU list format, e.g. `0-3,5,7-8`.
 fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
     let mut cpus = Vec::new();
@@ -144,6 +155,27 @@ fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_cpu_back_from_offline_is_noticed() {
+        use super::unsampled_cpu as u;
+        assert_eq!(u(&[0, 1], &[0, 1], &[5, 5], &[9, 8]), None);
+        assert_eq!(
+            u(&[0, 1], &[0], &[5, 5], &[9, 5]),
+            None,
+            "offline: expected to stand still"
+        );
+        assert_eq!(
+            u(&[0, 1], &[0, 1], &[5, 5], &[9, 5]),
+            Some(1),
+            "online, standing still"
+        );
+        assert_eq!(
+            u(&[0], &[0, 1], &[5, 0], &[9, 0]),
+            Some(1),
+            "online after setup"
+        );
+    }
+
     #[test]
     fn cpu_lists() {
         assert_eq!(super::parse_cpu_list("0-1\n"), Some(vec![0, 1]));

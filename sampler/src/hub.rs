@@ -112,6 +112,10 @@ impl Hub {
         self.subs.borrow().len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.subs.borrow().is_empty()
+    }
+
     /// Attaches a broker channel to the open subscription holding `key`, once.
     pub fn attach_channel(&self, key: &[u8; 16], channel: std::os::unix::net::UnixStream) -> bool {
         let subs = self.subs.borrow();

@@ -66,6 +66,10 @@ impl Kallsyms {
         self.offsets.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.offsets.is_empty()
+    }
+
     /// Index of the symbol containing `addr`, if any.
     pub fn lookup(&self, addr: u64) -> Option<u32> {
         let off = u32::try_from(addr.checked_sub(self.base)?).ok()?;

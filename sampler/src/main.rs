@@ -80,7 +80,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
             Kallsyms::empty()
         }
     };
-    if kallsyms.len() == 0 {
+    if kallsyms.is_empty() {
         tracing::warn!(
             "/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]"
         );
@@ -155,7 +155,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         write_stall_limit: Duration::from_secs(args.write_stall_seconds.max(1)),
     });
     let local = tokio::task::LocalSet::new();
-    local.block_on(
+    let ended = local.block_on(
         &rt,
         run_loop(
             &args,
@@ -171,6 +171,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         created.remove();
     }
     drop(sampling);
+    ended?;
     tracing::info!("stopped; BPF program detached");
     Ok(())
 }
@@ -229,6 +230,23 @@ fn set_active(sampling: &mut Sampling, set: u32) {
     }
 }
 
+/// Samples taken so far on each CPU (idle included).
+fn cpu_ticks(sampling: &Sampling) -> Vec<u64> {
+    use firn_sampler_bpf::counter as k;
+    let m = &sampling.skel.maps.counters;
+    let a = drain::percpu_values(m, k::SAMPLES).unwrap_or_default();
+    let b = drain::percpu_values(m, k::IDLE).unwrap_or_default();
+    a.iter()
+        .zip(b.iter().chain(std::iter::repeat(&0)))
+        .map(|(x, y)| x + y)
+        .collect()
+}
+
+/// The run loop ended because a CPU can no longer be sampled.
+#[derive(Debug, thiserror::Error)]
+#[error("CPU {0} is online but not sampled; restart firn-sampler to attach to it")]
+pub struct CpuHotplug(u32);
+
 fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
     use firn_sampler_bpf::counter as k;
     let m = &sampling.skel.maps.counters;
@@ -255,7 +273,7 @@ async fn run_loop(
     sampling: &mut Sampling,
     kallsyms: &Kallsyms,
     (mut sigterm, mut sigint): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
-) {
+) -> Result<(), CpuHotplug> {
     tokio::task::spawn_local(accept_loop(listener, shared.clone(), allow));
     let period = Duration::from_secs(u64::from(args.round));
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -265,6 +283,7 @@ async fn run_loop(
     let mut round_no = 0u64;
     let mut round_start = now_ns();
     let c = &shared.counters;
+    let mut ticks_before = cpu_ticks(sampling);
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
@@ -295,6 +314,22 @@ async fn run_loop(
         c.stack_lookup_failures
             .set(c.stack_lookup_failures.get() + drained.stack_lookup_failures);
         read_bpf_counters(sampling, c);
+        let ticks_now = cpu_ticks(sampling);
+        if let Ok(online) = attach::online_cpus() {
+            if let Some(cpu) =
+                attach::unsampled_cpu(sampling.cpus(), &online, &ticks_before, &ticks_now)
+            {
+                c.cpus_unsampled.set(c.cpus_unsampled.get() + 1);
+                tracing::error!(
+                    cpu,
+                    "an online CPU is not sampled (it went offline and came back, or came \
+                     online after setup); a confined sampler cannot attach to it, so it \
+                     exits for its supervisor to restart it (systemd: Restart=on-failure)"
+                );
+                return Err(CpuHotplug(cpu));
+            }
+        }
+        ticks_before = ticks_now;
         let data = round::assemble(
             drained,
             kallsyms,
@@ -316,4 +351,5 @@ async fn run_loop(
         shared.hub.publish(Rc::new(data), &forgotten);
         round_start = round_end;
     }
+    Ok(())
 }

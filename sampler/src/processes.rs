@@ -156,6 +156,10 @@ impl ProcessTable {
     pub fn len(&self) -> usize {
         self.by_pid.len()
     }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_pid.is_empty()
+    }
 }
 
 fn refresh(k: &mut Known, round: u64, counters: &Counters) {

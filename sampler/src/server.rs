@@ -63,6 +63,7 @@ fn bump(c: &Cell<u64>) {
 struct Conn {
     kill: Notify,
     subscribed: Cell<bool>,
+    flooded: Cell<bool>,
     calls: RefCell<RateLimit>,
     info_calls: RefCell<RateLimit>,
 }
@@ -72,6 +73,7 @@ impl Default for Conn {
         Self {
             kill: Notify::new(),
             subscribed: Cell::new(false),
+            flooded: Cell::new(false),
             calls: RefCell::new(RateLimit::new(CALL_RATE, CALL_BURST)),
             info_calls: RefCell::new(RateLimit::new(INFO_RATE, INFO_BURST)),
         }
@@ -84,14 +86,12 @@ fn admit(conn: &Rc<Conn>, shared: &Shared, info: bool) -> Result<(), capnp::Erro
     if ok {
         return Ok(());
     }
-    bump(&shared.counters.request_floods);
-    if shared.counters.request_floods.get().is_power_of_two() {
-        tracing::warn!(
-            floods = shared.counters.request_floods.get(),
-            "a client sent calls faster than allowed; closing its connection"
-        );
+    // Calls already in flight are refused too; the connection counts once.
+    if !conn.flooded.replace(true) {
+        bump(&shared.counters.request_floods);
+        tracing::warn!("a client sent calls faster than allowed; closing its connection");
+        conn.close_soon();
     }
-    conn.close_soon();
     Err(capnp::Error::overloaded(
         "too many calls on this connection; closing it".into(),
     ))

@@ -1,6 +1,7 @@
 //! Faults: the output directory made read-only or removed while running, a mapped
 //! binary deleted or replaced under a running process, ten thousand short-lived
-//! processes within one round, a CPU taken offline and back.
+//! processes within one round, a CPU taken offline and back (sampling goes on on the
+//! others; the sampler exits to be restarted when the CPU returns).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -41,17 +42,32 @@ fn output_directory_read_only_then_removed() {
     // Read-only: rounds fail, are counted, the enricher lives; writable again: resumes.
     std::fs::set_permissions(&f.out, std::fs::Permissions::from_mode(0o555)).unwrap();
     let e0 = f.metric(errors).unwrap_or(0.0);
-    assert!(metric_grows(&f, errors, e0, 10 * SECS), "read-only rounds not counted");
-    assert!(alive(f.enricher.as_mut().unwrap()), "enricher died on a read-only directory");
+    assert!(
+        metric_grows(&f, errors, e0, 10 * SECS),
+        "read-only rounds not counted"
+    );
+    assert!(
+        alive(f.enricher.as_mut().unwrap()),
+        "enricher died on a read-only directory"
+    );
     std::fs::set_permissions(&f.out, std::fs::Permissions::from_mode(0o755)).unwrap();
     let w0 = f.metric(written).unwrap_or(0.0);
-    assert!(metric_grows(&f, written, w0, 10 * SECS), "writing did not resume");
+    assert!(
+        metric_grows(&f, written, w0, 10 * SECS),
+        "writing did not resume"
+    );
 
     // Removed: counted; recreated: resumes, and no partial round is left behind.
     std::fs::remove_dir_all(&f.out).unwrap();
     let e1 = f.metric(errors).unwrap_or(0.0);
-    assert!(metric_grows(&f, errors, e1, 10 * SECS), "rounds into a removed directory not counted");
-    assert!(alive(f.enricher.as_mut().unwrap()), "enricher died on a removed directory");
+    assert!(
+        metric_grows(&f, errors, e1, 10 * SECS),
+        "rounds into a removed directory not counted"
+    );
+    assert!(
+        alive(f.enricher.as_mut().unwrap()),
+        "enricher died on a removed directory"
+    );
     std::fs::create_dir(&f.out).unwrap();
     nix::unistd::chown(
         &f.out,
@@ -60,8 +76,11 @@ fn output_directory_read_only_then_removed() {
     )
     .unwrap();
     let w1 = f.metric(written).unwrap_or(0.0);
-    assert!(metric_grows(&f, written, w1, 10 * SECS), "writing did not resume in the new directory");
-    assert!(f.wait_profiles(w.pid(), 1, 10 * SECS).len() >= 1);
+    assert!(
+        metric_grows(&f, written, w1, 10 * SECS),
+        "writing did not resume in the new directory"
+    );
+    assert!(!f.wait_profiles(w.pid(), 1, 10 * SECS).is_empty());
     for entry in std::fs::read_dir(&f.out).unwrap().flatten() {
         let name = entry.file_name().to_string_lossy().to_string();
         assert!(!name.starts_with(".tmp-"), "partial round left: {name}");
@@ -87,24 +106,43 @@ fn mapped_binary_deleted_or_replaced_while_running() {
     // Deleted before the enricher could ask for it.
     let (gone, exe) = busy_copy(dir.path(), "busy-deleted", "20");
     std::fs::remove_file(&exe).unwrap();
-    // Replaced by another file at the same path.
+    // Replaced by another file at the same path (renamed over it), the mapped file still
+    // linked elsewhere: its dentry is gone, so the mapping reads "(deleted)" and the new
+    // file at the path is never mistaken for it. (A path covered by a mount, where the
+    // mapping looks intact, is refused by identity: `enricher.rs`, broker test.)
     let (swapped, exe2) = busy_copy(dir.path(), "busy-swapped", "20");
+    std::fs::hard_link(&exe2, dir.path().join("busy-kept")).unwrap();
     let tmp = dir.path().join("other");
     std::fs::write(&tmp, b"#!/bin/sh\nexit 0\n").unwrap();
     std::fs::rename(&tmp, &exe2).unwrap();
 
     let p1 = f.wait_profiles(gone.pid(), 2, 15 * SECS);
     let p2 = f.wait_profiles(swapped.pid(), 2, 15 * SECS);
-    assert!(p1.len() >= 2 && p2.len() >= 2, "no profiles of the two processes");
-    let deleted = f.metric("firn_sampler_broker_refused_deleted").unwrap_or(0.0);
-    let identity = f.metric("firn_sampler_broker_refused_identity").unwrap_or(0.0)
-        + f.metric("firn_sampler_broker_refused_not_regular").unwrap_or(0.0);
-    assert!(deleted >= 1.0, "deleted binary not refused and counted");
-    assert!(identity >= 1.0, "replaced binary not refused and counted");
+    assert!(
+        p1.len() >= 2 && p2.len() >= 2,
+        "no profiles of the two processes"
+    );
+    let deleted = f
+        .metric("firn_sampler_broker_refused_deleted")
+        .unwrap_or(0.0);
+    let opened = f.metric("firn_sampler_broker_fds_sent").unwrap_or(0.0);
+    let broker: Vec<String> = String::from_utf8_lossy(&f.get("/metrics").1)
+        .lines()
+        .filter(|l| l.contains("broker") && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect();
+    assert!(
+        deleted >= 2.0,
+        "deleted and replaced binaries not refused: {broker:#?}"
+    );
+    eprintln!("broker: {deleted} refused as deleted, {opened} opened (other binaries)");
     assert!(alive(&mut f.sampler) && alive(f.enricher.as_mut().unwrap()));
     // Their samples are kept, as addresses: nothing is attributed to the wrong file.
     let text = go_pprof(&["-traces"], &p2);
-    assert!(!text.contains("hot_leaf"), "a replaced binary's symbols were used");
+    assert!(
+        !text.contains("hot_leaf"),
+        "a replaced binary's symbols were used"
+    );
 }
 
 #[test]
@@ -123,9 +161,15 @@ fn ten_thousand_short_lived_processes_in_one_round() {
     let report = String::from_utf8_lossy(&out.stdout);
     let started: u64 = report
         .lines()
-        .find_map(|l| l.strip_prefix("started ").and_then(|n| n.trim().parse().ok()))
+        .find_map(|l| {
+            l.strip_prefix("started ")
+                .and_then(|n| n.trim().parse().ok())
+        })
         .unwrap_or(0);
-    assert!(started >= 10_000, "only {started} processes started: {report}");
+    assert!(
+        started >= 10_000,
+        "only {started} processes started: {report}"
+    );
     let before = f.profiles_of(w.pid()).len();
     let after = f.wait_profiles(w.pid(), before + 2, 40 * SECS);
     assert!(after.len() >= before + 2, "rounds stopped after the storm");
@@ -162,7 +206,18 @@ fn cpu_offline_and_back() {
         "no sampling with cpu1 offline"
     );
     std::fs::write(ctl, "1").unwrap();
-    std::thread::sleep(SECS);
+    // The returned CPU's perf event is gone for good and the confined sampler cannot
+    // open another: it says so and exits, for its supervisor to restart it, as
+    // systemd's Restart=on-failure does; here the test restarts it.
+    assert!(
+        f.sampler
+            .wait_for("is online but not sampled", 10 * SECS)
+            .is_some(),
+        "the sampler did not notice the returned CPU: {:#?}",
+        f.sampler.lines().iter().rev().take(5).collect::<Vec<_>>()
+    );
+    f.sampler.wait_exit(5 * SECS);
+    f.restart_sampler();
     // A workload pinned to the returned CPU: its samples can only come from cpu1.
     let mut cmd = Command::new("taskset");
     cmd.args(["-c", "1"]).arg(workload("busy")).arg("6");

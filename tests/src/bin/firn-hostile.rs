@@ -99,7 +99,7 @@ impl batch_sink::Server for Sink {
         if let Ok(b) = params.get().and_then(|p| p.get_batch()) {
             if let Ok(procs) = b.get_processes() {
                 for p in procs.iter() {
-                    let has_file = p.get_mappings().is_ok_and(|m| m.len() > 0);
+                    let has_file = p.get_mappings().is_ok_and(|m| !m.is_empty());
                     if has_file && self.target.borrow().is_none() {
                         *self.target.borrow_mut() =
                             Some((p.get_process_id(), p.get_mappings_version()));
@@ -121,7 +121,9 @@ fn rpc(sock: &str, scenario: &str) -> String {
 }
 
 async fn scenario_rpc(sock: String, scenario: String) -> String {
-    let stream = tokio::net::UnixStream::connect(&sock).await.expect("connect");
+    let stream = tokio::net::UnixStream::connect(&sock)
+        .await
+        .expect("connect");
     let (r, w) = stream.into_split();
     let network = twoparty::VatNetwork::new(
         futures::io::BufReader::new(r.compat()),
@@ -155,9 +157,15 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
         }
         "flood" => {
             // Far more calls than the per-connection budget, all in flight at once.
-            let calls: Vec<_> = (0..20_000).map(|_| info(firn_schema::PROTOCOL_VERSION).send().promise).collect();
+            let calls: Vec<_> = (0..20_000)
+                .map(|_| info(firn_schema::PROTOCOL_VERSION).send().promise)
+                .collect();
             for c in futures::future::join_all(calls).await {
-                if c.is_ok() { answered += 1 } else { errors += 1 }
+                if c.is_ok() {
+                    answered += 1
+                } else {
+                    errors += 1
+                }
             }
         }
         "slowloris" => {
@@ -170,7 +178,8 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
                 target: target.clone(),
             });
             let mut req = client.subscribe_request();
-            req.get().set_protocol_version(firn_schema::PROTOCOL_VERSION);
+            req.get()
+                .set_protocol_version(firn_schema::PROTOCOL_VERSION);
             req.get().set_sink(sink);
             let res = req.send().promise.await.expect("subscribe");
             let sub: subscription::Client = res.get().unwrap().get_subscription().unwrap();
@@ -206,7 +215,11 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
                     // broker's rate limit as fast as the sampler answers.
                     let calls: Vec<_> = (0..3_000).map(|_| open(pid, 0, version)).collect();
                     for c in futures::future::join_all(calls).await {
-                        if c.is_ok() { answered += 1 } else { errors += 1 }
+                        if c.is_ok() {
+                            answered += 1
+                        } else {
+                            errors += 1
+                        }
                     }
                 }
             }
@@ -216,7 +229,9 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
             std::process::exit(2);
         }
     }
-    let closed = tokio::time::timeout(Duration::from_secs(10), ended).await.is_ok();
+    let closed = tokio::time::timeout(Duration::from_secs(10), ended)
+        .await
+        .is_ok();
     format!("{{\"closed\":{closed},\"errors\":{errors},\"answered\":{answered}}}")
 }
 
@@ -262,7 +277,9 @@ fn info_calls(n: u32) -> Vec<Vec<u8>> {
     use capnp_rpc::rpc_capnp::message;
     let mut out = Vec::new();
     let mut b = capnp::message::Builder::new_default();
-    b.init_root::<message::Builder>().init_bootstrap().set_question_id(0);
+    b.init_root::<message::Builder>()
+        .init_bootstrap()
+        .set_question_id(0);
     out.push(capnp::serialize::write_message_to_words(&b));
     for q in 1..=n {
         let mut b = capnp::message::Builder::new_default();
