@@ -15,7 +15,7 @@ fi
 # whose compiler accepts them with RUSTC_BOOTSTRAP.
 export RUSTC_BOOTSTRAP=1
 targets=$(cargo fuzz list)
-# FUZZ_PROFILE=--dev builds unoptimised: minutes faster to compile, slower to run (CI).
+# FUZZ_PROFILE=--dev builds unoptimised (slower to run; debug builds may hit -timeout).
 profile="${FUZZ_PROFILE:---release}"
 cargo fuzz build "$profile"
 mkdir -p logs

@@ -32,10 +32,9 @@ cargo test --release --locked -p firn-tests -- --test-threads=1
 # The benchmark suite, 20 s of firn only: its harness must keep working (numbers are not
 # judged here; `python3 tests/bench/firn_bench.py` measures).
 python3 tests/bench/firn_bench.py --smoke --skip-build
-# Every fuzz target for FIRN_FUZZ_SECONDS (60; 0 skips), after its regression inputs;
-# an unoptimised build, which compiles in a fraction of the time (`fuzz/run.sh 600`
-# alone is the real fuzzing run).
+# Every fuzz target for FIRN_FUZZ_SECONDS (60; 0 skips), after its regression inputs
+# (`fuzz/run.sh 600` alone is the real fuzzing run).
 fuzz_secs="${FIRN_FUZZ_SECONDS:-60}"
 if [ "$fuzz_secs" -gt 0 ]; then
-    FUZZ_PROFILE="${FUZZ_PROFILE:---dev}" fuzz/run.sh "$fuzz_secs"
+    fuzz/run.sh "$fuzz_secs"
 fi

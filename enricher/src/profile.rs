@@ -236,11 +236,13 @@ impl Builder {
     pub fn add(&mut self, s: &StackSample) {
         let locs: Vec<u64> = s.frames.iter().map(|f| self.location(f)).collect();
         let key = (locs, s.labels.clone());
-        let count = s.count as i64;
+        // Counts come off the wire: saturate rather than wrap (found by fuzzing).
+        let count = i64::try_from(s.count).unwrap_or(i64::MAX);
+        let cpu = count.saturating_mul(self.period);
         if let Some(&i) = self.samples.get(&key) {
             let v = &mut self.p.sample[i].value;
-            v[0] += count;
-            v[1] += count * self.period;
+            v[0] = v[0].saturating_add(count);
+            v[1] = v[1].saturating_add(cpu);
             return;
         }
         let label = s
@@ -256,7 +258,7 @@ impl Builder {
         self.samples.insert(key.clone(), self.p.sample.len());
         self.p.sample.push(Sample {
             location_id: key.0,
-            value: vec![count, count * self.period],
+            value: vec![count, cpu],
             label,
         });
     }
@@ -282,5 +284,5 @@ pub fn sample_count(p: &Profile) -> i64 {
     p.sample
         .iter()
         .map(|s| s.value.first().copied().unwrap_or(0))
-        .sum()
+        .fold(0i64, i64::saturating_add)
 }
