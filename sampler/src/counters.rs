@@ -38,7 +38,7 @@ counters! {
     process_read_errors: "process records that failed for another reason",
     mapping_refreshes: "mapping lists read again after a frame fell outside them",
     processes_forgotten: "processes dropped from the table after they exited",
-    cpus_unsampled: "online CPUs found unsampled (hotplug); the sampler exits to be restarted",
+    cpus_unsampled: "CPUs back from offline or new since setup (unsampled); the sampler exits to be restarted",
     request_floods: "connections closed for calling faster than allowed",
     stalled_connections: "connections closed for not reading their answers",
     broker_requests_never_issued: "connections closed for asking about a process they were never sent",

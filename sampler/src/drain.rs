@@ -187,22 +187,17 @@ fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
 
 /// Sums a per-CPU u64 array slot over all CPUs.
 pub fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
-    percpu_values(map, slot).map(|v| v.iter().sum())
-}
-
-/// A per-CPU counter's value on each possible CPU, by CPU number.
-pub fn percpu_values(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<Vec<u64>> {
     let vals = map
         .lookup_percpu(&slot.to_ne_bytes(), libbpf_rs::MapFlags::ANY)
         .ok()??;
     Some(
         vals.iter()
-            .map(|v| {
+            .filter_map(|v| {
                 v.get(..8)
                     .and_then(|b| b.try_into().ok())
-                    .map_or(0, u64::from_ne_bytes)
+                    .map(u64::from_ne_bytes)
             })
-            .collect(),
+            .sum(),
     )
 }
 

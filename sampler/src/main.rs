@@ -230,18 +230,6 @@ fn set_active(sampling: &mut Sampling, set: u32) {
     }
 }
 
-/// Samples taken so far on each CPU (idle included).
-fn cpu_ticks(sampling: &Sampling) -> Vec<u64> {
-    use firn_sampler_bpf::counter as k;
-    let m = &sampling.skel.maps.counters;
-    let a = drain::percpu_values(m, k::SAMPLES).unwrap_or_default();
-    let b = drain::percpu_values(m, k::IDLE).unwrap_or_default();
-    a.iter()
-        .zip(b.iter().chain(std::iter::repeat(&0)))
-        .map(|(x, y)| x + y)
-        .collect()
-}
-
 /// The run loop ended because a CPU can no longer be sampled.
 #[derive(Debug, thiserror::Error)]
 #[error("CPU {0} is online but not sampled; restart firn-sampler to attach to it")]
@@ -283,7 +271,7 @@ async fn run_loop(
     let mut round_no = 0u64;
     let mut round_start = now_ns();
     let c = &shared.counters;
-    let mut ticks_before = cpu_ticks(sampling);
+    let mut gone: Vec<u32> = Vec::new();
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
@@ -314,11 +302,14 @@ async fn run_loop(
         c.stack_lookup_failures
             .set(c.stack_lookup_failures.get() + drained.stack_lookup_failures);
         read_bpf_counters(sampling, c);
-        let ticks_now = cpu_ticks(sampling);
         if let Ok(online) = attach::online_cpus() {
-            if let Some(cpu) =
-                attach::unsampled_cpu(sampling.cpus(), &online, &ticks_before, &ticks_now)
-            {
+            for &cpu in sampling.cpus() {
+                if !online.contains(&cpu) && !gone.contains(&cpu) {
+                    tracing::warn!(cpu, "CPU went offline; sampling goes on on the others");
+                    gone.push(cpu);
+                }
+            }
+            if let Some(cpu) = attach::unsampled_cpu(sampling.cpus(), &online, &gone) {
                 c.cpus_unsampled.set(c.cpus_unsampled.get() + 1);
                 tracing::error!(
                     cpu,
@@ -329,7 +320,6 @@ async fn run_loop(
                 return Err(CpuHotplug(cpu));
             }
         }
-        ticks_before = ticks_now;
         let data = round::assemble(
             drained,
             kallsyms,
