@@ -152,7 +152,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         identity,
         connections: Cell::new(0),
         max_connections: args.max_connections,
-        write_stall_limit: Duration::from_secs(args.write_stall_seconds.max(1)),
+        write_stall_limit: Duration::from_secs(args.write_stall_seconds),
     });
     let local = tokio::task::LocalSet::new();
     let ended = local.block_on(
