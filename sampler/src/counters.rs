@@ -47,6 +47,7 @@ counters! {
     connections_refused_limit: "connections refused: too many connections",
     connections_peer_unknown: "connections refused: peer credentials unreadable",
     protocol_mismatches: "requests with another protocol version",
+    unknown_methods: "calls to an interface or method the sampler does not have (connection closed)",
     bad_requests: "malformed or unexpected requests (connection closed)",
     protocol_errors: "connections closed for unreadable or over-limit messages",
     subscriptions: "subscriptions started",

@@ -8,6 +8,8 @@ use std::rc::Rc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use capnp::capability::{DispatchCallResult, FromServer, Params, Promise, Results};
+use capnp::traits::HasTypeId;
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
 use firn_schema::firn_capnp::{batch_sink, sampler, subscription, Refusal};
 use firn_schema::PROTOCOL_VERSION;
@@ -204,10 +206,17 @@ impl sampler::Server for SamplerImpl {
             tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
             let mut r = results.get();
             r.set_broker_key(&key);
-            r.set_subscription(capnp_rpc::new_client(SubscriptionImpl {
+            let server = SubscriptionImpl {
                 sub,
                 shared: self.shared.clone(),
                 conn: self.conn.clone(),
+            };
+            r.set_subscription(capnp_rpc::new_client(Guarded {
+                inner: <subscription::Client as FromServer<_>>::from_server(Rc::new(server)),
+                interface_id: <subscription::Client as HasTypeId>::TYPE_ID,
+                methods: SUBSCRIPTION_METHODS,
+                conn: self.conn.clone(),
+                shared: self.shared.clone(),
             }));
             Ok(())
         })();
@@ -317,6 +326,89 @@ impl Drop for SubscriptionImpl {
     }
 }
 
+/// Methods of each interface in the schema (`@0`..): a call past them is a client
+/// this sampler was not built for, or a probe.
+const SAMPLER_METHODS: u16 = 2;
+const SUBSCRIPTION_METHODS: u16 = 1;
+
+/// A generated dispatcher behind a check: a call to an interface or method the sampler
+/// does not have is counted and closes the connection. capnp-rpc alone would answer
+/// "unimplemented" and keep serving whatever the client tries next.
+struct Guarded<D> {
+    inner: D,
+    interface_id: u64,
+    methods: u16,
+    conn: Rc<Conn>,
+    shared: Rc<Shared>,
+}
+
+struct GuardedDispatch<D>(Rc<Guarded<D>>);
+
+impl<D> Clone for GuardedDispatch<D> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<D> std::ops::Deref for GuardedDispatch<D> {
+    type Target = Guarded<D>;
+    fn deref(&self) -> &Guarded<D> {
+        &self.0
+    }
+}
+
+impl<D: capnp::capability::Server + Clone> capnp::capability::Server for GuardedDispatch<D> {
+    fn dispatch_call(
+        self,
+        interface_id: u64,
+        method_id: u16,
+        params: Params<capnp::any_pointer::Owned>,
+        results: Results<capnp::any_pointer::Owned>,
+    ) -> DispatchCallResult {
+        let g = &self.0;
+        if interface_id == g.interface_id && method_id < g.methods {
+            return g
+                .inner
+                .clone()
+                .dispatch_call(interface_id, method_id, params, results);
+        }
+        bump(&g.shared.counters.unknown_methods);
+        tracing::warn!(
+            interface_id = format_args!("{interface_id:#x}"),
+            method_id,
+            "call to a method this sampler does not have; closing the connection"
+        );
+        g.conn.close_soon();
+        DispatchCallResult::new(
+            Promise::err(capnp::Error::unimplemented(format!(
+                "firn-sampler has no method {method_id} on interface {interface_id:#x}; \
+                 closing the connection"
+            ))),
+            false,
+        )
+    }
+
+    fn as_ptr(&self) -> usize {
+        self.0.inner.as_ptr()
+    }
+}
+
+impl FromServer<Guarded<sampler::ServerDispatch<SamplerImpl>>> for sampler::Client {
+    type Dispatch = GuardedDispatch<sampler::ServerDispatch<SamplerImpl>>;
+    fn from_server(s: Rc<Guarded<sampler::ServerDispatch<SamplerImpl>>>) -> Self::Dispatch {
+        GuardedDispatch(s)
+    }
+}
+
+impl FromServer<Guarded<subscription::ServerDispatch<SubscriptionImpl>>> for subscription::Client {
+    type Dispatch = GuardedDispatch<subscription::ServerDispatch<SubscriptionImpl>>;
+    fn from_server(
+        s: Rc<Guarded<subscription::ServerDispatch<SubscriptionImpl>>>,
+    ) -> Self::Dispatch {
+        GuardedDispatch(s)
+    }
+}
+
 async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Client) {
     let c = &shared.counters;
     while let Some(out) = sub.next().await {
@@ -412,9 +504,16 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
     // bounded queue, where the oldest are dropped and counted.
     network.set_window_size(STREAM_WINDOW_BYTES);
     let conn = Rc::new(Conn::default());
-    let client: sampler::Client = capnp_rpc::new_client(SamplerImpl {
+    let server = SamplerImpl {
         shared: shared.clone(),
         conn: conn.clone(),
+    };
+    let client: sampler::Client = capnp_rpc::new_client(Guarded {
+        inner: <sampler::Client as FromServer<_>>::from_server(Rc::new(server)),
+        interface_id: <sampler::Client as HasTypeId>::TYPE_ID,
+        methods: SAMPLER_METHODS,
+        conn: conn.clone(),
+        shared: shared.clone(),
     });
     let rpc = RpcSystem::new(Box::new(network), Some(client.client));
     tokio::select! {

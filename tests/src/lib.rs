@@ -331,13 +331,18 @@ pub fn status_field(pid: u32, field: &str) -> Option<String> {
     })
 }
 
-/// Resident memory of `pid` in KiB.
-pub fn rss_kib(pid: u32) -> Option<u64> {
-    status_field(pid, "VmRSS")?
+/// A memory field of /proc/<pid>/status (`VmRSS`, `VmHWM`, ...) in KiB.
+pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    status_field(pid, field)?
         .split_whitespace()
         .next()?
         .parse()
         .ok()
+}
+
+/// Resident memory of `pid` in KiB.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    status_kib(pid, "VmRSS")
 }
 
 /// Starts a workload binary with args; waits for its "ready PID" line.

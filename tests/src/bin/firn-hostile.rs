@@ -1,7 +1,7 @@
 //! A misbehaving client of firn-sampler, for the hostile-client tests. One scenario per
 //! run; prints one JSON line saying what the sampler did:
 //!   firn-hostile SOCKET oversized|nested|flood|slowloris|wrong-version|never-issued|
-//!                       unknown-process|fd-flood
+//!                       unknown-process|fd-flood|unknown-method|unknown-interface
 //! `closed`: the sampler closed the connection (EOF or reset) within the scenario.
 
 use std::cell::RefCell;
@@ -152,6 +152,23 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
     match scenario.as_str() {
         "wrong-version" => {
             if info(99).send().promise.await.is_err() {
+                errors += 1;
+            }
+        }
+        "unknown-method" | "unknown-interface" => {
+            // A method past the schema's on the bootstrap interface, or an interface the
+            // sampler does not export at all.
+            let (iface, method) = if scenario == "unknown-method" {
+                (<sampler::Client as capnp::traits::HasTypeId>::TYPE_ID, 9)
+            } else {
+                (0x1234_5678_9abc_def0, 0)
+            };
+            let call = client
+                .client
+                .new_call::<capnp::any_pointer::Owned, capnp::any_pointer::Owned>(
+                    iface, method, None,
+                );
+            if call.send().promise.await.is_err() {
                 errors += 1;
             }
         }
