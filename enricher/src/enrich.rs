@@ -19,6 +19,8 @@ const RETRY_ROUNDS: u64 = 6;
 
 /// The symbolized content of one round.
 pub struct Round {
+    /// The sampler session the round belongs to: rounds count from 1 in each.
+    pub session_id: u64,
     pub round: u64,
     pub start_ns: u64,
     pub end_ns: u64,
@@ -91,7 +93,7 @@ impl Enricher {
                 Ok(fd) => match self.symbolizer.load(fd) {
                     Ok(id) => Binary::Known(id),
                     Err(e) => {
-                        tracing::debug!(error = %e, "binary not loadable");
+                        tracing::info!(error = %e, "binary not loadable; its frames stay addresses");
                         Binary::Failed {
                             retry_round: round + RETRY_ROUNDS,
                         }
@@ -99,7 +101,7 @@ impl Enricher {
                 },
                 Err(BrokerError::Refused(r)) => {
                     Metrics::inc(&self.metrics.broker_refusals);
-                    tracing::debug!(process_id = pid_id, mapping = idx, reason = ?r, "broker refused");
+                    tracing::info!(process_id = pid_id, mapping = idx, reason = ?r, "broker refused; the frames stay addresses");
                     Binary::Failed {
                         retry_round: round + RETRY_ROUNDS,
                     }
@@ -195,6 +197,11 @@ impl Enricher {
             let entry = self.processes.get(s.process_id);
             if entry.is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
+                tracing::info!(
+                    pid = s.pid,
+                    samples = s.count,
+                    "samples of a process with no record; encoded with comm only"
+                );
             }
             let labels = match label_sets.get(&s.process_id) {
                 Some(l) => l.clone(),
@@ -210,6 +217,7 @@ impl Enricher {
                             .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
                     if l.is_none() {
                         Metrics::inc(&m.processes_dropped_by_relabel);
+                        tracing::debug!(pid = s.pid, "process dropped by a relabel rule");
                     }
                     label_sets.insert(s.process_id, l.clone());
                     l
@@ -307,6 +315,7 @@ impl Enricher {
             std::sync::atomic::Ordering::Relaxed,
         );
         Round {
+            session_id: batch.session_id,
             round: batch.round,
             start_ns: batch.start_time_ns,
             end_ns: batch.end_time_ns,

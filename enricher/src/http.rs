@@ -92,6 +92,10 @@ impl Shared {
             g.recent_stacks -= old.stacks.len();
             if !too_old {
                 Metrics::inc(&self.metrics.window_rounds_evicted);
+                tracing::info!(
+                    round = old.round,
+                    "/pprof/cpu window over its stack bound; oldest round left out"
+                );
             }
         }
     }

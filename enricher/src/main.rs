@@ -4,6 +4,7 @@
 use firn_enricher::labels::{Labeler, System};
 use firn_enricher::{cli, client, config, http, summary, symbolize};
 
+use std::collections::HashMap;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -42,13 +43,10 @@ fn main() -> ExitCode {
             }
         },
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    if let Err(e) = firn_logs::init(&args.log) {
+        eprintln!("firn-enricher: {e}");
+        return ExitCode::from(2);
+    }
     if nix::unistd::geteuid().is_root() && !args.allow_root {
         tracing::error!(
             "firn-enricher refuses to run as root: it parses untrusted input (binaries, \
@@ -176,10 +174,14 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
             }
             Event::Disconnected => broker = None,
             Event::Batch(batch) => {
-                Metrics::add(
-                    &metrics.batches_dropped_upstream,
-                    batch.dropped_batches.saturating_sub(session_dropped),
-                );
+                let lost = batch.dropped_batches.saturating_sub(session_dropped);
+                Metrics::add(&metrics.batches_dropped_upstream, lost);
+                if lost > 0 {
+                    tracing::warn!(
+                        batches = lost,
+                        "the sampler dropped batches for this enricher (it fell behind)"
+                    );
+                }
                 session_dropped = batch.dropped_batches;
                 if let Ok(mut s) = metrics.sampler.lock() {
                     *s = batch.counters.clone();
@@ -204,14 +206,20 @@ fn write(
     let encoded = firn_enricher::encode::per_label_set(&round, by);
     let mut items = Vec::with_capacity(encoded.len());
     let mut latest = Vec::with_capacity(encoded.len());
+    // Names must be unique within a round: one pid can be two processes in a round
+    // (reuse), and without a pid label (--profile-by container) every set shares "set".
+    let mut taken: HashMap<String, u32> = HashMap::new();
     for e in encoded {
-        let pid = e
+        let base = e
             .labels
             .iter()
             .find(|(k, _)| k == "pid")
-            .map_or("0", |(_, v)| v.as_str());
-        let name = format!("pid-{pid}.pb.gz");
-        let id = format!("r{}-pid-{pid}", round.round);
+            .map_or_else(|| "set".to_string(), |(_, v)| format!("pid-{v}"));
+        let n = taken.entry(base.clone()).or_insert(0);
+        *n += 1;
+        let stem = if *n == 1 { base } else { format!("{base}-{n}") };
+        let name = format!("{stem}.pb.gz");
+        let id = format!("r{}-{stem}", round.round);
         latest.push(http::Latest {
             id,
             labels: e.labels.clone(),
@@ -226,7 +234,7 @@ fn write(
             name,
         });
     }
-    sink.write_round(round.round, round.start_ns, &items);
+    sink.write_round(&round, &items);
     let lag = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)

@@ -30,6 +30,9 @@ macro_rules! metrics {
                     let _ = writeln!(out, "# TYPE firn_enricher_{}_total counter", stringify!($name));
                     let _ = writeln!(out, "firn_enricher_{}_total {}", stringify!($name), self.$name.load(Ordering::Relaxed));
                 )*
+                let _ = writeln!(out, "# HELP firn_enricher_log_lines_suppressed_total log lines held back by the per-call-site rate limit");
+                let _ = writeln!(out, "# TYPE firn_enricher_log_lines_suppressed_total counter");
+                let _ = writeln!(out, "firn_enricher_log_lines_suppressed_total {}", firn_logs::suppressed());
                 let _ = writeln!(out, "# HELP firn_enricher_round_lag_seconds Time from a round's end at the sampler to its profiles being written.");
                 let _ = writeln!(out, "# TYPE firn_enricher_round_lag_seconds gauge");
                 let _ = writeln!(out, "firn_enricher_round_lag_seconds {:.3}", self.round_lag_ms.load(Ordering::Relaxed) as f64 / 1000.0);

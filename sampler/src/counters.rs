@@ -13,7 +13,10 @@ macro_rules! counters {
 
         impl Counters {
             pub fn list(&self) -> Vec<(&'static str, u64)> {
-                vec![$((stringify!($name), self.$name.get()),)*]
+                vec![
+                    $((stringify!($name), self.$name.get()),)*
+                    ("log_lines_suppressed", firn_logs::suppressed()),
+                ]
             }
         }
     };

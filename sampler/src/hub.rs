@@ -162,6 +162,11 @@ impl Hub {
                 let Some(old) = q.pop_front() else { break };
                 sub.dropped.set(sub.dropped.get() + 1);
                 c.batches_dropped.set(c.batches_dropped.get() + 1);
+                tracing::warn!(
+                    subscriber = sub.id,
+                    dropped = sub.dropped.get(),
+                    "subscriber's queue full (it reads too slowly); oldest batch dropped"
+                );
                 if let Some(next) = q.front_mut() {
                     carry(old.processes, &mut next.processes);
                     next.forgotten.extend(old.forgotten);

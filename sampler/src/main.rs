@@ -21,13 +21,10 @@ use firn_sampler::server::{Identity, Shared};
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    if let Err(e) = firn_logs::init(&args.log) {
+        eprintln!("firn-sampler: {e}");
+        return ExitCode::from(2);
+    }
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -238,17 +235,24 @@ pub struct CpuHotplug(u32);
 fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
     use firn_sampler_bpf::counter as k;
     let m = &sampling.skel.maps.counters;
-    for (slot, cell) in [
-        (k::SAMPLES, &c.bpf_samples),
-        (k::IDLE, &c.bpf_idle_samples),
-        (k::USER_STACK_FULL, &c.bpf_user_stack_lost),
-        (k::KERN_STACK_FULL, &c.bpf_kernel_stack_lost),
-        (k::USER_STACK_ERR, &c.bpf_user_stack_errors),
-        (k::KERN_STACK_ERR, &c.bpf_kernel_stack_errors),
-        (k::COUNTS_FULL, &c.bpf_counts_map_full),
+    for (slot, cell, name) in [
+        (k::SAMPLES, &c.bpf_samples, ""),
+        (k::IDLE, &c.bpf_idle_samples, ""),
+        (k::USER_STACK_FULL, &c.bpf_user_stack_lost, "bpf_user_stack_lost"),
+        (k::KERN_STACK_FULL, &c.bpf_kernel_stack_lost, "bpf_kernel_stack_lost"),
+        (k::USER_STACK_ERR, &c.bpf_user_stack_errors, "bpf_user_stack_errors"),
+        (k::KERN_STACK_ERR, &c.bpf_kernel_stack_errors, "bpf_kernel_stack_errors"),
+        (k::COUNTS_FULL, &c.bpf_counts_map_full, "bpf_counts_map_full"),
     ] {
         if let Some(v) = drain::percpu_sum(m, slot) {
-            cell.set(v);
+            let before = cell.replace(v);
+            if !name.is_empty() && v > before {
+                tracing::warn!(
+                    counter = name,
+                    lost = v - before,
+                    "samples or stacks lost in the BPF program this round"
+                );
+            }
         }
     }
 }
@@ -301,6 +305,13 @@ async fn run_loop(
         };
         c.stack_lookup_failures
             .set(c.stack_lookup_failures.get() + drained.stack_lookup_failures);
+        if drained.stack_lookup_failures > 0 {
+            tracing::warn!(
+                round = round_no,
+                stacks = drained.stack_lookup_failures,
+                "stacks missing from the stack map; their samples are sent without them"
+            );
+        }
         read_bpf_counters(sampling, c);
         if let Ok(online) = attach::online_cpus() {
             for &cpu in sampling.cpus() {

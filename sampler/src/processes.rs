@@ -85,12 +85,16 @@ impl ProcessTable {
                         counters
                             .processes_gone
                             .set(counters.processes_gone.get() + 1);
+                        tracing::info!(
+                            pid = tgid,
+                            "process gone before /proc could be read; sent with what BPF saw"
+                        );
                     }
                     _ => {
                         counters
                             .process_read_errors
                             .set(counters.process_read_errors.get() + 1);
-                        tracing::debug!(pid = tgid, error = %e, "process record unreadable");
+                        tracing::warn!(pid = tgid, error = %e, "process record unreadable");
                     }
                 }
                 ProcessRecord {

@@ -303,7 +303,7 @@ impl subscription::Server for SubscriptionImpl {
                 }
                 Err(refusal) => {
                     self.count(refusal);
-                    tracing::debug!(
+                    tracing::info!(
                         subscriber = self.sub.id,
                         process_id = p.get_process_id(),
                         mapping = p.get_mapping_index(),
@@ -452,6 +452,10 @@ pub async fn handle(mut stream: tokio::net::UnixStream, shared: Rc<Shared>) {
         Ok(Err(_)) => return done(&shared),
         Err(_) => {
             bump(&shared.counters.handshake_timeouts);
+            tracing::warn!(
+                seconds = HANDSHAKE_TIMEOUT.as_secs(),
+                "a client sent nothing in time; closed"
+            );
             return done(&shared);
         }
     }

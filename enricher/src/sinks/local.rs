@@ -1,5 +1,6 @@
 //! The local sink: gzip pprof files under the output directory, one folder per round
-//! (UTC time in its name) with a JSON-lines index mapping each file to its label set;
+//! (UTC time in its name) with a JSON-lines index mapping each file to its label set
+//! and the sampler session, round and time span it covers;
 //! retention by total size and age. A round is written under a temporary name and
 //! renamed into place whole, so a reader never sees part of one. When the disk is
 //! nearly full or the directory is unwritable, rounds are skipped, counted, logged once,
@@ -9,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use crate::enrich::Round;
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
@@ -63,8 +65,8 @@ impl LocalSink {
     }
 
     /// Writes one round; on failure nothing of it remains. Then applies retention.
-    pub fn write_round(&mut self, round: u64, start_ns: u64, items: &[Item]) {
-        match self.try_write(round, start_ns, items) {
+    pub fn write_round(&mut self, round: &Round, items: &[Item]) {
+        match self.try_write(round, items) {
             Ok(dir) => {
                 if self.failing {
                     tracing::info!(dir = %self.s.dir.display(), "local sink writing again");
@@ -100,7 +102,7 @@ impl LocalSink {
         Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
     }
 
-    fn try_write(&self, round: u64, start_ns: u64, items: &[Item]) -> Result<PathBuf, SinkError> {
+    fn try_write(&self, round: &Round, items: &[Item]) -> Result<PathBuf, SinkError> {
         std::fs::create_dir_all(&self.s.dir).map_err(io("creating", &self.s.dir))?;
         let need: u64 = items.iter().map(|i| i.gz.len() as u64).sum::<u64>() + 64 * 1024;
         let free = self.free_bytes()?;
@@ -111,7 +113,7 @@ impl LocalSink {
                 min: self.s.min_free_bytes,
             });
         }
-        let name = format!("{}-r{round:06}", utc_stamp(start_ns));
+        let name = format!("{}-r{:06}", utc_stamp(round.start_ns), round.round);
         let tmp = self.s.dir.join(format!(".tmp-{name}"));
         let result = (|| {
             std::fs::create_dir(&tmp).map_err(io("creating", &tmp))?;
@@ -129,6 +131,10 @@ impl LocalSink {
                         "file": item.name,
                         "labels": labels,
                         "samples": item.samples,
+                        "session_id": round.session_id,
+                        "round": round.round,
+                        "start_ns": round.start_ns,
+                        "end_ns": round.end_ns,
                     })
                     .to_string(),
                 );
