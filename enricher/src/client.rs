@@ -17,7 +17,9 @@ use crate::broker::Broker;
 use crate::metrics::Metrics;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-const MAX_BACKOFF: Duration = Duration::from_secs(10);
+// Low: a connect to a local socket costs nothing, and a sampler back from a restart
+// should see its enricher again within a round or two, however long it was gone.
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {

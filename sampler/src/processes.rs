@@ -40,9 +40,11 @@ fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
     r
 }
 
+/// Keyed by (pid, start time): within one round a pid can name two processes (reuse),
+/// whose samples arrive interleaved; each keeps its own record and id.
 #[derive(Default)]
 pub struct ProcessTable {
-    by_pid: HashMap<u32, Known>,
+    by_pid: HashMap<(u32, u64), Known>,
     next_id: u64,
 }
 
@@ -58,17 +60,13 @@ impl ProcessTable {
         round: u64,
         counters: &Counters,
     ) -> u64 {
-        if let Some(k) = self.by_pid.get_mut(&tgid) {
-            if k.start_ns == start_ns {
-                k.last_seen = round;
-                if k.record.complete
-                    && round >= k.next_refresh
-                    && user.iter().any(|&a| !k.covers(a))
-                {
-                    refresh(k, round, counters);
-                }
-                return k.id;
+        if let Some(k) = self.by_pid.get_mut(&(tgid, start_ns)) {
+            k.last_seen = round;
+            if k.record.complete && round >= k.next_refresh && user.iter().any(|&a| !k.covers(a))
+            {
+                refresh(k, round, counters);
             }
+            return k.id;
         }
         self.next_id += 1;
         let id = self.next_id;
@@ -116,22 +114,22 @@ impl ProcessTable {
             next_refresh: round + 1,
             backoff: 1,
         };
-        if self.by_pid.len() >= MAX_PROCESSES && !self.by_pid.contains_key(&tgid) {
+        if self.by_pid.len() >= MAX_PROCESSES {
             self.evict_oldest(counters);
         }
-        self.by_pid.insert(tgid, known);
+        self.by_pid.insert((tgid, start_ns), known);
         id
     }
 
-    pub fn get(&self, tgid: u32) -> Option<&Known> {
-        self.by_pid.get(&tgid)
+    pub fn get(&self, tgid: u32, start_ns: u64) -> Option<&Known> {
+        self.by_pid.get(&(tgid, start_ns))
     }
 
     /// Forgets processes that have not been sampled for a while and have exited.
     /// Returns the ids forgotten, so subscribers can forget them too.
     pub fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
         let mut gone = Vec::new();
-        self.by_pid.retain(|&pid, k| {
+        self.by_pid.retain(|&(pid, _), k| {
             if round.saturating_sub(k.last_seen) < IDLE_ROUNDS {
                 return true;
             }
@@ -149,8 +147,8 @@ impl ProcessTable {
     }
 
     fn evict_oldest(&mut self, counters: &Counters) {
-        if let Some((&pid, _)) = self.by_pid.iter().min_by_key(|(_, k)| k.last_seen) {
-            self.by_pid.remove(&pid);
+        if let Some((&key, _)) = self.by_pid.iter().min_by_key(|(_, k)| k.last_seen) {
+            self.by_pid.remove(&key);
             counters
                 .processes_forgotten
                 .set(counters.processes_forgotten.get() + 1);

@@ -143,7 +143,7 @@ pub fn assemble(
             StackRef::Err(_) => Vec::new(),
         };
         let process_id = table.observe(raw.tgid, raw.start_ns, &raw.comm, &user, round, counters);
-        if let Some(k) = table.get(raw.tgid).filter(|k| k.id == process_id) {
+        if let Some(k) = table.get(raw.tgid, raw.start_ns) {
             processes.insert(
                 process_id,
                 Issued {

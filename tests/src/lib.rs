@@ -107,6 +107,11 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        // FIRN_KEEP_TEMP=1 keeps it, to look at a failed test's profiles and logs.
+        if std::env::var_os("FIRN_KEEP_TEMP").is_some() {
+            eprintln!("kept {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
@@ -357,6 +362,28 @@ pub fn start_workload(path: &Path, args: &[&str]) -> Proc {
     p
 }
 
+/// Starts a workload as process `pid`: steers the kernel's next pid through
+/// /proc/sys/kernel/ns_last_pid (root), retrying when another fork takes the number
+/// first. None when it could not be had.
+pub fn start_workload_as_pid(pid: u32, path: &Path, args: &[&str]) -> Option<Proc> {
+    for _ in 0..100 {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        let mut cmd = Command::new(path);
+        cmd.args(args);
+        let mut p = Proc::spawn("workload", cmd);
+        if p.pid() == pid {
+            assert!(
+                p.wait_for("ready", Duration::from_secs(10)).is_some(),
+                "workload did not start"
+            );
+            return Some(p);
+        }
+        let _ = p.child.kill();
+        let _ = p.child.wait();
+    }
+    None
+}
+
 pub fn now_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -420,8 +447,20 @@ impl Firn {
         f
     }
 
-    /// Starts (or restarts) the enricher as the test user.
+    /// Starts (or restarts) the enricher as the test user; waits until it is connected.
     pub fn start_enricher(&mut self, extra: &[&str]) {
+        let p = self.spawn_enricher(extra);
+        assert!(
+            p.wait_for("connected to the sampler", Duration::from_secs(20))
+                .is_some(),
+            "enricher did not connect: {:#?}",
+            p.lines()
+        );
+        self.enricher = Some(p);
+    }
+
+    /// Starts the enricher as the test user without waiting for the sampler.
+    pub fn spawn_enricher(&mut self, extra: &[&str]) -> Proc {
         let port = http_port();
         self.http = format!("127.0.0.1:{port}");
         let mut cmd = Command::new("setpriv");
@@ -438,14 +477,7 @@ impl Firn {
             .arg(&self.http)
             .args(extra)
             .env("FIRN_LOG", "info");
-        let p = Proc::spawn("enricher", cmd);
-        assert!(
-            p.wait_for("connected to the sampler", Duration::from_secs(20))
-                .is_some(),
-            "enricher did not connect: {:#?}",
-            p.lines()
-        );
-        self.enricher = Some(p);
+        Proc::spawn("enricher", cmd)
     }
 
     /// Restarts the sampler with the same flags (after it was killed).
@@ -490,6 +522,15 @@ impl Firn {
 
 /// Every (file, labels) of every round's index.jsonl under `out`.
 pub fn index_entries(out: &Path) -> Vec<(PathBuf, Value)> {
+    index_records(out)
+        .into_iter()
+        .map(|(f, e)| (f, e["labels"].clone()))
+        .collect()
+}
+
+/// Every (file, whole index line) of every round under `out`: labels, samples,
+/// session_id, round, start_ns, end_ns.
+pub fn index_records(out: &Path) -> Vec<(PathBuf, Value)> {
     let mut v = Vec::new();
     let Ok(rd) = std::fs::read_dir(out) else {
         return v;
@@ -507,7 +548,7 @@ pub fn index_entries(out: &Path) -> Vec<(PathBuf, Value)> {
         for line in text.lines() {
             if let Ok(e) = serde_json::from_str::<Value>(line) {
                 if let Some(f) = e["file"].as_str() {
-                    v.push((d.join(f), e["labels"].clone()));
+                    v.push((d.join(f), e.clone()));
                 }
             }
         }

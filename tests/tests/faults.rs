@@ -234,3 +234,113 @@ fn cpu_offline_and_back() {
     );
     assert!(alive(&mut f.sampler));
 }
+
+/// Every function name in the stacks of `files`, read by `go tool pprof`.
+fn functions_in(files: &[std::path::PathBuf]) -> std::collections::HashSet<String> {
+    assert!(!files.is_empty(), "no profiles");
+    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
+        .into_iter()
+        .flat_map(|(_, frames)| frames)
+        .collect()
+}
+
+fn records_of(f: &Firn, pid: u32) -> Vec<(std::path::PathBuf, serde_json::Value)> {
+    index_records(&f.out)
+        .into_iter()
+        .filter(|(_, e)| e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()))
+        .collect()
+}
+
+#[test]
+fn pid_reused_within_a_round() {
+    if !can_run_bpf() {
+        return;
+    }
+    let round = 3;
+    let f = Firn::start("reuse", &["--round", "3", "--frequency", "99"]);
+    let first = workload("busy");
+    let second = compile(
+        "busy.c",
+        "busy_reused",
+        &["-pthread", "-Dhot_leaf=reused_leaf"],
+    );
+    // Align with the sampler's rounds: a short run shows where one ends.
+    let mut probe = start_workload(&first, &["0.3", "1"]);
+    probe.wait_exit(5 * SECS);
+    let t0 = std::time::Instant::now();
+    let end_ns = loop {
+        if let Some(e) = records_of(&f, probe.pid()).first() {
+            break e.1["end_ns"].as_u64().unwrap();
+        }
+        assert!(t0.elapsed() < 15 * SECS, "no profile of the probe run");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let period = round * 1_000_000_000;
+    let next = end_ns + (now_ns().saturating_sub(end_ns) / period + 1) * period;
+    std::thread::sleep(Duration::from_nanos(next - now_ns() + 200_000_000));
+
+    // Two programs, one pid, within one round.
+    let started = now_ns();
+    let mut a = start_workload(&first, &["0.6", "1"]);
+    let pid = a.pid();
+    a.wait_exit(5 * SECS).expect("first process did not end");
+    // The second outlives the round, so /proc is read for it; the first is gone by then
+    // and must keep only what BPF saw of it, never the second's executable.
+    let b = start_workload_as_pid(pid, &second, &["4", "1"])
+        .expect("could not get the same pid again (ns_last_pid)");
+    let ended = now_ns();
+
+    // The round that holds both runs (rounds start where the last one ended).
+    let t0 = std::time::Instant::now();
+    let recs = loop {
+        let r: Vec<_> = records_of(&f, pid)
+            .into_iter()
+            .filter(|(_, e)| {
+                e["start_ns"].as_u64() <= Some(started) && e["end_ns"].as_u64() >= Some(ended)
+            })
+            .collect();
+        if r.len() >= 2 || t0.elapsed() > 4 * round as u32 * SECS {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let comms: Vec<&str> = recs
+        .iter()
+        .filter_map(|(_, e)| e["labels"]["comm"].as_str())
+        .collect();
+    let all: Vec<_> = records_of(&f, pid)
+        .iter()
+        .map(|(_, e)| (e["start_ns"].clone(), e["end_ns"].clone(), e["labels"]["comm"].clone()))
+        .collect();
+    assert_eq!(
+        recs.len(),
+        2,
+        "pid {pid}, runs {started}..{ended}: want one profile per process in one round, \
+         got {comms:?} (all rounds of the pid: {all:?})"
+    );
+    assert_ne!(recs[0].0, recs[1].0, "both processes written to one file");
+    for (file, e) in &recs {
+        let comm = e["labels"]["comm"].as_str().unwrap_or_default();
+        let funcs = functions_in(std::slice::from_ref(file));
+        match comm {
+            "busy" => {
+                assert!(
+                    !funcs.contains("reused_leaf"),
+                    "the first process has the second's frames: {funcs:?}"
+                );
+                assert_ne!(
+                    e["labels"]["executable"].as_str(),
+                    Some("busy_reused"),
+                    "the first process is labelled with the second's executable"
+                );
+            }
+            "busy_reused" => {
+                assert!(funcs.contains("reused_leaf"), "reused_leaf missing: {funcs:?}");
+                assert!(!funcs.contains("hot_leaf"), "the first process's frames");
+                assert_eq!(e["labels"]["executable"].as_str(), Some("busy_reused"));
+            }
+            c => panic!("unexpected comm {c:?} for pid {pid}"),
+        }
+    }
+    drop(b);
+}
