@@ -1,7 +1,10 @@
 //! Faults: the output directory made read-only or removed while running, a mapped
 //! binary deleted or replaced under a running process, ten thousand short-lived
 //! processes within one round, a CPU taken offline and back (sampling goes on on the
-//! others; the sampler exits to be restarted when the CPU returns).
+//! others; the sampler exits to be restarted when the CPU returns), a pid reused within
+//! a round, and the sampler and enricher killed at random points and restarted in either
+//! order (no round twice, no sample under the wrong process, resumption within two
+//! rounds).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -343,4 +346,157 @@ fn pid_reused_within_a_round() {
         }
     }
     drop(b);
+}
+
+/// A small deterministic generator: the seed is printed, FIRN_FAULT_SEED replays it.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 32) % n
+    }
+
+    fn millis(&mut self, max: u64) -> Duration {
+        Duration::from_millis(self.below(max + 1))
+    }
+}
+
+fn kill(p: &mut Proc) {
+    p.signal(nix::sys::signal::Signal::SIGKILL);
+    p.wait_exit(5 * SECS).expect("process did not die on SIGKILL");
+}
+
+/// Waits until `pid` has a profile of a round that ended after `since` (ns).
+fn resumed(f: &Firn, pid: u32, since: u64, timeout: Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < timeout {
+        if records_of(f, pid)
+            .iter()
+            .any(|(_, e)| e["end_ns"].as_u64() > Some(since))
+        {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
+}
+
+#[test]
+fn kills_at_random_points_neither_duplicate_nor_mislabel() {
+    if !can_run_bpf() {
+        return;
+    }
+    let seed = std::env::var("FIRN_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| now_ns() | 1);
+    eprintln!("FIRN_FAULT_SEED={seed}");
+    let mut rng = Rng(seed);
+    let round_ms = 2000;
+    let round = Duration::from_millis(round_ms);
+    let mut f = Firn::start("kills", &["--round", "2", "--frequency", "99"]);
+    // Two programs that differ only in their hot function: a sample given to the wrong
+    // process shows as the other's function.
+    let other = compile("busy.c", "busy_other", &["-pthread", "-Dhot_leaf=other_leaf"]);
+    let a = start_workload(&workload("busy"), &["300", "1"]);
+    let b = start_workload(&other, &["300", "1"]);
+    assert!(resumed(&f, a.pid(), 0, 15 * SECS), "no first profile");
+
+    for i in 0..6 {
+        // A random point of a round, then one of four faults.
+        std::thread::sleep(rng.millis(round_ms));
+        let what = rng.below(4);
+        let down = rng.millis(1500);
+        match what {
+            0 => {
+                kill(f.enricher.as_mut().unwrap());
+                std::thread::sleep(down);
+                assert!(alive(&mut f.sampler), "sampler died with its subscriber");
+                f.start_enricher(&[]);
+            }
+            1 => {
+                kill(&mut f.sampler);
+                std::thread::sleep(down);
+                assert!(
+                    alive(f.enricher.as_mut().unwrap()),
+                    "enricher died with the sampler"
+                );
+                f.restart_sampler();
+            }
+            2 => {
+                kill(&mut f.sampler);
+                kill(f.enricher.as_mut().unwrap());
+                std::thread::sleep(down);
+                f.restart_sampler();
+                f.start_enricher(&[]);
+            }
+            _ => {
+                kill(f.enricher.as_mut().unwrap());
+                kill(&mut f.sampler);
+                let e = f.spawn_enricher(&[]);
+                std::thread::sleep(down);
+                f.restart_sampler();
+                assert!(
+                    e.wait_for("connected to the sampler", 10 * SECS).is_some(),
+                    "enricher started first never connected"
+                );
+                f.enricher = Some(e);
+            }
+        }
+        let up = now_ns();
+        // Both up: profiles of both programs again within two rounds (plus the time to
+        // write one).
+        for p in [&a, &b] {
+            assert!(
+                resumed(&f, p.pid(), up, 2 * round + 1500 * Duration::from_millis(1)),
+                "iteration {i} (fault {what}, seed {seed}): pid {} not resumed within two rounds",
+                p.pid()
+            );
+        }
+        eprintln!("iteration {i}: fault {what}, down {down:?}: resumed");
+    }
+
+    for (p, comm, own, foreign) in [
+        (&a, "busy", "hot_leaf", "other_leaf"),
+        (&b, "busy_other", "other_leaf", "hot_leaf"),
+    ] {
+        let mut recs = records_of(&f, p.pid());
+        // No duplicates: each (session, round) once, and no two profiles of the process
+        // cover the same time.
+        recs.sort_by_key(|(_, e)| e["start_ns"].as_u64());
+        let mut seen = std::collections::HashSet::new();
+        for w in recs.windows(2) {
+            assert!(
+                w[1].1["start_ns"].as_u64() >= w[0].1["end_ns"].as_u64(),
+                "{comm}: overlapping profiles (seed {seed}): {} and {}",
+                w[0].1,
+                w[1].1
+            );
+        }
+        for (_, e) in &recs {
+            let key = (e["session_id"].as_u64(), e["round"].as_u64());
+            assert!(seen.insert(key), "{comm}: round written twice: {e}");
+            // Not mislabelled: the labels are this program's.
+            assert_eq!(e["labels"]["comm"].as_str(), Some(comm), "{e}");
+            assert_eq!(e["labels"]["executable"].as_str(), Some(comm), "{e}");
+        }
+        let sessions: std::collections::HashSet<_> =
+            recs.iter().map(|(_, e)| e["session_id"].as_u64()).collect();
+        let files: Vec<_> = recs.into_iter().map(|(f, _)| f).collect();
+        let funcs = functions_in(&files);
+        assert!(funcs.contains(own), "{comm}: {own} missing");
+        assert!(
+            !funcs.contains(foreign),
+            "{comm}: samples of the other program ({foreign}) under this pid (seed {seed})"
+        );
+        eprintln!(
+            "{comm}: {} profiles over {} sampler sessions, no overlap, no foreign frames",
+            files.len(),
+            sessions.len()
+        );
+    }
 }
