@@ -229,7 +229,11 @@ fn set_active(sampling: &mut Sampling, set: u32) {
 
 /// The run loop ended because a CPU can no longer be sampled.
 #[derive(Debug, thiserror::Error)]
-#[error("CPU {0} is online but not sampled; restart firn-sampler to attach to it")]
+#[error(
+    "CPU {0} is online but not sampled (it went offline and came back, or came online \
+     after setup); a confined sampler cannot attach to it, so it exits for its \
+     supervisor to restart it (systemd: Restart=on-failure)"
+)]
 pub struct CpuHotplug(u32);
 
 fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
@@ -322,12 +326,7 @@ async fn run_loop(
             }
             if let Some(cpu) = attach::unsampled_cpu(sampling.cpus(), &online, &gone) {
                 c.cpus_unsampled.set(c.cpus_unsampled.get() + 1);
-                tracing::error!(
-                    cpu,
-                    "an online CPU is not sampled (it went offline and came back, or came \
-                     online after setup); a confined sampler cannot attach to it, so it \
-                     exits for its supervisor to restart it (systemd: Restart=on-failure)"
-                );
+                // Logged once, by main, as the reason for exiting.
                 return Err(CpuHotplug(cpu));
             }
         }

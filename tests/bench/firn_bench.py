@@ -333,21 +333,16 @@ class Perf:
                 "total_samples": written, "lost": {"perf_chunks": lost}}
 
 
-class Bpftrace:
-    name = "bpftrace"
+class _Tool:
+    """A peer profiler run as one process tree, its stdout and stderr kept in files."""
+    name = "?"
 
-    def start(self, hz):
-        self.tmp = tempfile.mkdtemp(prefix="bpftrace-bench-")
+    def spawn(self, argv):
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.name}-bench-")
         self.out = os.path.join(self.tmp, "out")
         self.err = os.path.join(self.tmp, "err")
         self.t0 = time.time()
-        self.p = subprocess.Popen(["bpftrace", "-e", BPFTRACE_PROG.format(hz=hz)],
-                                  stdout=open(self.out, "w"), stderr=open(self.err, "w"))
-        for _ in range(600):
-            if "Attaching" in open(self.out).read():
-                break
-            time.sleep(0.05)
-        time.sleep(0.5)
+        self.p = subprocess.Popen(argv, stdout=open(self.out, "w"), stderr=open(self.err, "w"))
 
     def pids(self):
         return tree(self.p.pid)
@@ -355,24 +350,34 @@ class Bpftrace:
     def stop(self, workload_pid=None):
         cpu, rss = stop_measured(self.p, signal.SIGINT)
         life = time.time() - self.t0
-        mine, total = bl.parse_bpftrace_counts(open(self.out).read(), COMM)
-        errors = open(self.err).read().count("failed to look up stack id")
+        captured, total, lost = self.results(open(self.out).read(), open(self.err).read())
         shutil.rmtree(self.tmp, ignore_errors=True)
         return {"cpu_total": cpu, "life_seconds": life, "rss_peak_kib": rss,
-                "captured": mine if workload_pid is not None else 0, "total_samples": total,
-                "lost": {"stack_lookups_failed": errors}}
+                "captured": captured if workload_pid is not None else 0, "total_samples": total,
+                "lost": lost}
 
 
-class Bcc:
+class Bpftrace(_Tool):
+    name = "bpftrace"
+
+    def start(self, hz):
+        self.spawn(["bpftrace", "-e", BPFTRACE_PROG.format(hz=hz)])
+        for _ in range(600):
+            if "Attaching" in open(self.out).read():
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+
+    def results(self, out, err):
+        mine, total = bl.parse_bpftrace_counts(out, COMM)
+        return mine, total, {"stack_lookups_failed": err.count("failed to look up stack id")}
+
+
+class Bcc(_Tool):
     name = "bcc"
 
     def start(self, hz):
-        self.tmp = tempfile.mkdtemp(prefix="bcc-bench-")
-        self.out = os.path.join(self.tmp, "out")
-        self.err = os.path.join(self.tmp, "err")
-        self.t0 = time.time()
-        self.p = subprocess.Popen([BCC_PROFILE, "-F", str(hz), "-f"],
-                                  stdout=open(self.out, "w"), stderr=open(self.err, "w"))
+        self.spawn([BCC_PROFILE, "-F", str(hz), "-f"])
         # Ready once its compiled program is loaded (it prints nothing until the end).
         for _ in range(1200):
             if bpf_stats([self.p.pid])[0] or any(
@@ -384,18 +389,10 @@ class Bcc:
             time.sleep(0.05)
         time.sleep(0.5)
 
-    def pids(self):
-        return tree(self.p.pid)
-
-    def stop(self, workload_pid=None):
-        cpu, rss = stop_measured(self.p, signal.SIGINT)
-        life = time.time() - self.t0
-        mine, total, missed = bl.parse_folded(open(self.out).read(), COMM)
-        lost = bl.parse_bcc_warnings(open(self.err).read() + open(self.out).read())
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return {"cpu_total": cpu, "life_seconds": life, "rss_peak_kib": rss,
-                "captured": mine if workload_pid is not None else 0, "total_samples": total,
-                "lost": {"stacks_not_shown": lost, "missed_stacks": missed}}
+    def results(self, out, err):
+        mine, total, missed = bl.parse_folded(out, COMM)
+        lost = bl.parse_bcc_warnings(err + out)
+        return mine, total, {"stacks_not_shown": lost, "missed_stacks": missed}
 
 
 def _read(path):
