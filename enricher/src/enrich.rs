@@ -197,15 +197,16 @@ impl Enricher {
             let entry = self.processes.get(s.process_id);
             if entry.is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
-                tracing::info!(
-                    pid = s.pid,
-                    samples = s.count,
-                    "samples of a process with no record; encoded with comm only"
-                );
             }
             let labels = match label_sets.get(&s.process_id) {
                 Some(l) => l.clone(),
                 None => {
+                    if entry.is_none() {
+                        tracing::info!(
+                            pid = s.pid,
+                            "samples of a process with no record; encoded with comm only"
+                        );
+                    }
                     let (build_id, stripped) = entry.map_or((None, None), |e| self.exe_facts(e));
                     let extra = Extra {
                         comm: &s.comm,

@@ -30,7 +30,9 @@ pub fn suppressed() -> u64 {
 
 #[derive(Debug, thiserror::Error)]
 pub enum LogError {
-    #[error("invalid log filter {spec:?}: {source} (examples: \"info\", \"warn,firn_sampler=debug\")")]
+    #[error(
+        "invalid log filter {spec:?}: {source} (examples: \"info\", \"warn,firn_sampler=debug\")"
+    )]
     Filter {
         spec: String,
         source: tracing_subscriber::filter::ParseError,

@@ -242,11 +242,31 @@ fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
     for (slot, cell, name) in [
         (k::SAMPLES, &c.bpf_samples, ""),
         (k::IDLE, &c.bpf_idle_samples, ""),
-        (k::USER_STACK_FULL, &c.bpf_user_stack_lost, "bpf_user_stack_lost"),
-        (k::KERN_STACK_FULL, &c.bpf_kernel_stack_lost, "bpf_kernel_stack_lost"),
-        (k::USER_STACK_ERR, &c.bpf_user_stack_errors, "bpf_user_stack_errors"),
-        (k::KERN_STACK_ERR, &c.bpf_kernel_stack_errors, "bpf_kernel_stack_errors"),
-        (k::COUNTS_FULL, &c.bpf_counts_map_full, "bpf_counts_map_full"),
+        (
+            k::USER_STACK_FULL,
+            &c.bpf_user_stack_lost,
+            "bpf_user_stack_lost",
+        ),
+        (
+            k::KERN_STACK_FULL,
+            &c.bpf_kernel_stack_lost,
+            "bpf_kernel_stack_lost",
+        ),
+        (
+            k::USER_STACK_ERR,
+            &c.bpf_user_stack_errors,
+            "bpf_user_stack_errors",
+        ),
+        (
+            k::KERN_STACK_ERR,
+            &c.bpf_kernel_stack_errors,
+            "bpf_kernel_stack_errors",
+        ),
+        (
+            k::COUNTS_FULL,
+            &c.bpf_counts_map_full,
+            "bpf_counts_map_full",
+        ),
     ] {
         if let Some(v) = drain::percpu_sum(m, slot) {
             let before = cell.replace(v);

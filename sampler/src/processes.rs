@@ -62,8 +62,7 @@ impl ProcessTable {
     ) -> u64 {
         if let Some(k) = self.by_pid.get_mut(&(tgid, start_ns)) {
             k.last_seen = round;
-            if k.record.complete && round >= k.next_refresh && user.iter().any(|&a| !k.covers(a))
-            {
+            if k.record.complete && round >= k.next_refresh && user.iter().any(|&a| !k.covers(a)) {
                 refresh(k, round, counters);
             }
             return k.id;

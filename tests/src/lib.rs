@@ -367,7 +367,11 @@ pub fn start_workload(path: &Path, args: &[&str]) -> Proc {
 /// first. None when it could not be had.
 pub fn start_workload_as_pid(pid: u32, path: &Path, args: &[&str]) -> Option<Proc> {
     for _ in 0..100 {
-        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        std::fs::write(
+            "/proc/sys/kernel/ns_last_pid",
+            pid.saturating_sub(1).to_string(),
+        )
+        .ok()?;
         let mut cmd = Command::new(path);
         cmd.args(args);
         let mut p = Proc::spawn("workload", cmd);

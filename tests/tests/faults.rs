@@ -313,7 +313,13 @@ fn pid_reused_within_a_round() {
         .collect();
     let all: Vec<_> = records_of(&f, pid)
         .iter()
-        .map(|(_, e)| (e["start_ns"].clone(), e["end_ns"].clone(), e["labels"]["comm"].clone()))
+        .map(|(_, e)| {
+            (
+                e["start_ns"].clone(),
+                e["end_ns"].clone(),
+                e["labels"]["comm"].clone(),
+            )
+        })
         .collect();
     assert_eq!(
         recs.len(),
@@ -338,7 +344,10 @@ fn pid_reused_within_a_round() {
                 );
             }
             "busy_reused" => {
-                assert!(funcs.contains("reused_leaf"), "reused_leaf missing: {funcs:?}");
+                assert!(
+                    funcs.contains("reused_leaf"),
+                    "reused_leaf missing: {funcs:?}"
+                );
                 assert!(!funcs.contains("hot_leaf"), "the first process's frames");
                 assert_eq!(e["labels"]["executable"].as_str(), Some("busy_reused"));
             }
@@ -367,7 +376,8 @@ impl Rng {
 
 fn kill(p: &mut Proc) {
     p.signal(nix::sys::signal::Signal::SIGKILL);
-    p.wait_exit(5 * SECS).expect("process did not die on SIGKILL");
+    p.wait_exit(5 * SECS)
+        .expect("process did not die on SIGKILL");
 }
 
 /// Waits until `pid` has a profile of a round that ended after `since` (ns).
@@ -401,7 +411,11 @@ fn kills_at_random_points_neither_duplicate_nor_mislabel() {
     let mut f = Firn::start("kills", &["--round", "2", "--frequency", "99"]);
     // Two programs that differ only in their hot function: a sample given to the wrong
     // process shows as the other's function.
-    let other = compile("busy.c", "busy_other", &["-pthread", "-Dhot_leaf=other_leaf"]);
+    let other = compile(
+        "busy.c",
+        "busy_other",
+        &["-pthread", "-Dhot_leaf=other_leaf"],
+    );
     let a = start_workload(&workload("busy"), &["300", "1"]);
     let b = start_workload(&other, &["300", "1"]);
     assert!(resumed(&f, a.pid(), 0, 15 * SECS), "no first profile");
