@@ -31,9 +31,13 @@ fuzz_secs="${FIRN_FUZZ_SECONDS:-60}"
 fuzz_build=""
 if [ "$fuzz_secs" -gt 0 ]; then
     mkdir -p target
-    # Its own process group (setsid), so a failing test stops the whole build.
-    setsid chrt --idle 0 nice -n 19 fuzz/run.sh --build-only >target/fuzz-build.log 2>&1 &
+    # Its own process group (job control on for this one job), so a failing test stops
+    # the whole build. Not its own session: a session is a scheduler autogroup, and
+    # autogroups share the CPUs equally whatever their tasks' policy.
+    set -m
+    chrt --idle 0 nice -n 19 fuzz/run.sh --build-only >target/fuzz-build.log 2>&1 &
     fuzz_build=$!
+    set +m
     trap '[ -n "$fuzz_build" ] && kill -- "-$fuzz_build" 2>/dev/null || true' EXIT
 fi
 # Unit tests of every crate, then the end-to-end tests one at a time (they measure
