@@ -47,6 +47,15 @@ fn main() -> ExitCode {
         eprintln!("firn-enricher: {e}");
         return ExitCode::from(2);
     }
+    // A panic the symbolizer contains is one log line, not a backtrace on stderr.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if symbolize::panic_is_contained() {
+            tracing::info!(panic = %info, "contained panic in the symbolizer");
+        } else {
+            default_hook(info);
+        }
+    }));
     if nix::unistd::geteuid().is_root() && !args.allow_root {
         tracing::error!(
             "firn-enricher refuses to run as root: it parses untrusted input (binaries, \

@@ -81,6 +81,7 @@ metrics! {
     binaries_loaded: "binaries opened for symbolization",
     binaries_evicted: "binaries evicted from the symbol cache",
     binary_load_errors: "binaries whose ELF could not be read",
+    symbolizer_panics: "binaries on which the symbolizer panicked (malformed; contained, frames kept as addresses)",
     broker_requests: "file descriptors requested from the sampler",
     broker_refusals: "broker requests the sampler refused (see log for reasons)",
     broker_errors: "broker requests that failed in transport",

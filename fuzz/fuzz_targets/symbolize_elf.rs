@@ -1,6 +1,7 @@
 //! An arbitrary byte blob handed to the symbolizer as if the broker had opened it as a
-//! mapped binary: no panic, and libFuzzer's -timeout / -rss_limit_mb bound time and
-//! memory per input.
+//! mapped binary: no panic escapes (a panic inside blazesym is contained and counted,
+//! see the enricher's symbolize module), and libFuzzer's -timeout / -rss_limit_mb bound
+//! time and memory per input.
 #![no_main]
 
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -21,7 +22,18 @@ fn memfd(data: &[u8]) -> OwnedFd {
     file.into()
 }
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(
+    init: {
+        // A panic the symbolizer contains (counted, binary poisoned) is the designed
+        // outcome; any other panic still aborts for libFuzzer to report.
+        let abort = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !firn_enricher::symbolize::panic_is_contained() {
+                abort(info);
+            }
+        }));
+    },
+    |data: &[u8]| {
     let mut sym = Symbolizer::new(2, Arc::new(Metrics::default()));
     let Ok(id) = sym.load(memfd(data)) else {
         return;

@@ -388,6 +388,20 @@ pub fn start_workload_as_pid(pid: u32, path: &Path, args: &[&str]) -> Option<Pro
     None
 }
 
+/// Polls `cond` every 100 ms until it holds (true) or `timeout` passes (false).
+pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    loop {
+        if cond() {
+            return true;
+        }
+        if t0.elapsed() >= timeout {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 pub fn now_ns() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

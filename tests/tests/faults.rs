@@ -21,14 +21,7 @@ fn alive(p: &mut Proc) -> bool {
 }
 
 fn metric_grows(f: &Firn, name: &str, from: f64, timeout: Duration) -> bool {
-    let t0 = std::time::Instant::now();
-    while t0.elapsed() < timeout {
-        if f.metric(name).unwrap_or(0.0) > from {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    false
+    wait_until(timeout, || f.metric(name).unwrap_or(0.0) > from)
 }
 
 #[test]
@@ -270,17 +263,20 @@ fn pid_reused_within_a_round() {
     // Align with the sampler's rounds: a short run shows where one ends.
     let mut probe = start_workload(&first, &["0.3", "1"]);
     probe.wait_exit(5 * SECS);
-    let t0 = std::time::Instant::now();
-    let end_ns = loop {
-        if let Some(e) = records_of(&f, probe.pid()).first() {
-            break e.1["end_ns"].as_u64().unwrap();
-        }
-        assert!(t0.elapsed() < 15 * SECS, "no profile of the probe run");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let mut end_ns = 0;
+    let probed = wait_until(15 * SECS, || {
+        records_of(&f, probe.pid())
+            .first()
+            .and_then(|e| e.1["end_ns"].as_u64())
+            .map(|e| end_ns = e)
+            .is_some()
+    });
+    assert!(probed, "no profile of the probe run");
     let period = round * 1_000_000_000;
     let next = end_ns + (now_ns().saturating_sub(end_ns) / period + 1) * period;
-    std::thread::sleep(Duration::from_nanos(next - now_ns() + 200_000_000));
+    std::thread::sleep(Duration::from_nanos(
+        next.saturating_sub(now_ns()) + 200_000_000,
+    ));
 
     // Two programs, one pid, within one round.
     let started = now_ns();
@@ -294,19 +290,16 @@ fn pid_reused_within_a_round() {
     let ended = now_ns();
 
     // The round that holds both runs (rounds start where the last one ended).
-    let t0 = std::time::Instant::now();
-    let recs = loop {
-        let r: Vec<_> = records_of(&f, pid)
+    let holding = || -> Vec<_> {
+        records_of(&f, pid)
             .into_iter()
             .filter(|(_, e)| {
                 e["start_ns"].as_u64() <= Some(started) && e["end_ns"].as_u64() >= Some(ended)
             })
-            .collect();
-        if r.len() >= 2 || t0.elapsed() > 4 * round as u32 * SECS {
-            break r;
-        }
-        std::thread::sleep(Duration::from_millis(200));
+            .collect()
     };
+    wait_until(4 * round as u32 * SECS, || holding().len() >= 2);
+    let recs = holding();
     let comms: Vec<&str> = recs
         .iter()
         .filter_map(|(_, e)| e["labels"]["comm"].as_str())
@@ -382,17 +375,11 @@ fn kill(p: &mut Proc) {
 
 /// Waits until `pid` has a profile of a round that ended after `since` (ns).
 fn resumed(f: &Firn, pid: u32, since: u64, timeout: Duration) -> bool {
-    let t0 = std::time::Instant::now();
-    while t0.elapsed() < timeout {
-        if records_of(f, pid)
+    wait_until(timeout, || {
+        records_of(f, pid)
             .iter()
             .any(|(_, e)| e["end_ns"].as_u64() > Some(since))
-        {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    false
+    })
 }
 
 #[test]

@@ -5,7 +5,13 @@
 //! its fd open and is known to blazesym as `/proc/self/fd/N`; eviction tells blazesym to
 //! forget that path before the fd (and so the number) is released. A frame that cannot
 //! be symbolized gets no name here, never a guessed one.
+//!
+//! blazesym parses whatever ELF and DWARF a binary carries; fuzzing found inputs on
+//! which it panics (an unchecked file index in its line tables). Its calls run
+//! [`contained`]: a panic there is caught and counted, the binary is marked poisoned
+//! (its frames stay addresses, it is never parsed again), and the enricher lives.
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -27,6 +33,26 @@ pub enum SymError {
     Stat(nix::errno::Errno),
     #[error("reading the ELF file: {0}")]
     Elf(blazesym::Error),
+    #[error("the ELF parser panicked on this file (malformed)")]
+    Panicked,
+}
+
+thread_local! {
+    static CONTAINED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is inside [`contained`]: a panic hook may stay quiet, since
+/// the panic is caught, counted and logged there.
+pub fn panic_is_contained() -> bool {
+    CONTAINED.with(Cell::get)
+}
+
+/// Runs `f`, turning a panic into None.
+pub fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
+    let outer = CONTAINED.with(|c| c.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CONTAINED.with(|c| c.set(outer));
+    r.ok()
 }
 
 /// Identity of a binary: its build id when it has one, else the file's identity.
@@ -61,6 +87,8 @@ struct Loaded {
     /// No `.symtab` section (None: not an ELF file object could read).
     stripped: Option<bool>,
     frames: HashMap<u64, Option<Lines>>,
+    /// The parser panicked on this file once: never parse it again.
+    poisoned: bool,
 }
 
 pub struct Symbolizer {
@@ -121,7 +149,8 @@ impl Symbolizer {
     pub fn load(&mut self, fd: OwnedFd) -> Result<BinaryId, SymError> {
         let st = fstat(&fd).map_err(SymError::Stat)?;
         let path = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
-        let build_id = blazesym::helper::read_elf_build_id(&path)
+        let build_id = contained(|| blazesym::helper::read_elf_build_id(&path))
+            .ok_or_else(|| self.panicked(None))?
             .map_err(|e| {
                 Metrics::inc(&self.metrics.binary_load_errors);
                 SymError::Elf(e)
@@ -145,13 +174,16 @@ impl Symbolizer {
             return Ok(id);
         }
         Metrics::inc(&self.metrics.binaries_loaded);
-        let stripped = std::fs::File::open(&path).ok().and_then(lacks_symtab);
+        let stripped = std::fs::File::open(&path)
+            .ok()
+            .and_then(|f| contained(|| lacks_symtab(f)).flatten());
         let loaded = Loaded {
             _fd: fd,
             path,
             build_id,
             stripped,
             frames: HashMap::new(),
+            poisoned: false,
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
             if old_id != id {
@@ -159,6 +191,16 @@ impl Symbolizer {
             }
         }
         Ok(id)
+    }
+
+    /// Counts and logs a contained parser panic; returns the load error for it.
+    fn panicked(&self, id: Option<&BinaryId>) -> SymError {
+        Metrics::inc(&self.metrics.symbolizer_panics);
+        tracing::warn!(
+            binary = ?id,
+            "the symbolizer panicked on a malformed binary; its frames stay addresses"
+        );
+        SymError::Panicked
     }
 
     fn evicted(&mut self, id: &BinaryId, old: Loaded) {
@@ -176,6 +218,9 @@ impl Symbolizer {
         let Some(bin) = self.binaries.get_mut(id) else {
             return vec![None; offsets.len()];
         };
+        if bin.poisoned {
+            return vec![None; offsets.len()];
+        }
         let mut misses: Vec<u64> = offsets
             .iter()
             .copied()
@@ -193,13 +238,27 @@ impl Symbolizer {
                 bin.frames.clear();
             }
             let src = Source::Elf(Elf::new(bin.path.clone()));
-            match self.inner.symbolize(&src, Input::FileOffset(&misses)) {
+            let inner = &self.inner;
+            let result = contained(|| {
+                inner
+                    .symbolize(&src, Input::FileOffset(&misses))
+                    .map(|r| r.into_iter().map(owned_lines).collect::<Vec<_>>())
+            });
+            let Some(result) = result else {
+                bin.poisoned = true;
+                bin.frames.clear();
+                let path = bin.path.clone();
+                self.panicked(Some(id));
+                // Its half-parsed state goes too.
+                let _ = contained(|| {
+                    self.inner
+                        .evict(&blazesym::symbolize::evict::Elf::new(path).into())
+                });
+                return vec![None; offsets.len()];
+            };
+            match result {
                 Ok(results) => {
-                    for (off, r) in misses.iter().zip(results) {
-                        let lines = match r {
-                            Symbolized::Sym(sym) => Some(lines_of(&sym)),
-                            Symbolized::Unknown(_) => None,
-                        };
+                    for (off, lines) in misses.iter().zip(results) {
                         bin.frames.insert(*off, lines);
                     }
                 }
@@ -215,6 +274,13 @@ impl Symbolizer {
             .iter()
             .map(|o| bin.frames.get(o).cloned().flatten())
             .collect()
+    }
+}
+
+fn owned_lines(r: Symbolized<'_>) -> Option<Lines> {
+    match r {
+        Symbolized::Sym(sym) => Some(lines_of(&sym)),
+        Symbolized::Unknown(_) => None,
     }
 }
 
@@ -272,6 +338,39 @@ fn lines_of(sym: &Sym<'_>) -> Lines {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    /// Every input the symbolize_elf fuzz target ever crashed on: a panic inside
+    /// blazesym is contained, counted, and poisons only that binary.
+    #[test]
+    fn fuzz_regressions_are_contained() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/regressions/symbolize_elf");
+        let metrics = Arc::new(Metrics::default());
+        let mut inputs = 0;
+        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+            inputs += 1;
+            let mut sym = Symbolizer::new(2, metrics.clone());
+            let file = std::fs::File::open(entry.path()).unwrap();
+            let Ok(id) = sym.load(file.into()) else {
+                continue;
+            };
+            let len = entry.metadata().unwrap().len();
+            let offsets: Vec<u64> = (0..64u64).map(|i| i * (len / 48 + 1)).collect();
+            assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
+            // A poisoned binary answers without parsing again.
+            assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
+        }
+        assert!(inputs > 0, "no regression inputs under {}", dir.display());
+        assert!(
+            metrics
+                .symbolizer_panics
+                .load(std::sync::atomic::Ordering::Relaxed)
+                >= 1,
+            "the known blazesym panic was not met (fixed upstream? then this input is just a regression)"
+        );
+    }
+
     #[test]
     fn symtab_detection() {
         let me = std::fs::File::open("/proc/self/exe").unwrap();
