@@ -87,6 +87,7 @@ metrics! {
     broker_errors: "broker requests that failed in transport",
     profiles_written: "pprof files written by the local sink",
     rounds_written: "rounds written by the local sink",
+    rounds_empty: "rounds with no samples (no folder written)",
     sink_errors: "rounds the local sink could not write (unwritable, I/O error)",
     sink_disk_full: "rounds skipped because the output disk was nearly full",
     sink_retention_removed: "round folders removed by retention",

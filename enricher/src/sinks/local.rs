@@ -64,10 +64,19 @@ impl LocalSink {
         }
     }
 
-    /// Writes one round; on failure nothing of it remains. Then applies retention.
+    /// Writes one round; on failure nothing of it remains. Then applies retention. A
+    /// round without samples writes nothing (an idle machine would leave a folder per
+    /// round holding an empty index).
     pub fn write_round(&mut self, round: &Round, items: &[Item]) {
-        match self.try_write(round, items) {
-            Ok(dir) => {
+        let written = if items.is_empty() {
+            Metrics::inc(&self.metrics.rounds_empty);
+            None
+        } else {
+            Some(self.try_write(round, items))
+        };
+        match written {
+            None => {}
+            Some(Ok(dir)) => {
                 if self.failing {
                     tracing::info!(dir = %self.s.dir.display(), "local sink writing again");
                     self.failing = false;
@@ -76,7 +85,7 @@ impl LocalSink {
                 Metrics::add(&self.metrics.profiles_written, items.len() as u64);
                 tracing::debug!(dir = %dir.display(), profiles = items.len(), "round written");
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 if matches!(e, SinkError::DiskFull { .. }) {
                     Metrics::inc(&self.metrics.sink_disk_full);
                 } else {
