@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Profiles this machine with firn: installs what is missing (Debian), builds release
-# binaries, creates the unprivileged user `firn`, starts the sampler as root (it drops
-# its privileges after setup) and the enricher as `firn` over a socket in a private
+# binaries, creates the unprivileged users `firn` and `firn-sampler`, starts the sampler
+# as root (after setup it becomes `firn-sampler`, keeping only CAP_SYS_PTRACE, under
+# seccomp) and the enricher as `firn` over a socket in a private
 # runtime directory. Profiles land in $FIRN_STATE_DIR/profiles (default
 # /var/lib/firn/profiles), the web view on http://127.0.0.1:7071/. Ctrl-C stops both.
 # Arguments go to the sampler (e.g. --frequency 99 --round 5).
@@ -27,6 +28,11 @@ if ! id "$user" >/dev/null 2>&1; then
 fi
 uid=$(id -u "$user")
 gid=$(id -g "$user")
+# The sampler's own user after setup: root-only files stay out of its reach.
+sampler_user=firn-sampler
+if ! id "$sampler_user" >/dev/null 2>&1; then
+    useradd --system --no-create-home --shell /usr/sbin/nologin --user-group "$sampler_user"
+fi
 
 rundir=$(mktemp -d /run/firn-local.XXXXXX)
 chown "root:$gid" "$rundir"
@@ -39,7 +45,8 @@ chown "$uid:$gid" "$state"
 chmod 0750 "$state"
 
 bin=target/release
-"$bin/firn-sampler" --socket "$socket" --socket-group "$gid" --allow-uid "$uid" "$@" &
+"$bin/firn-sampler" --socket "$socket" --socket-group "$gid" --allow-uid "$uid" \
+    --user "$sampler_user" "$@" &
 sampler=$!
 enricher=
 cleanup() {
@@ -62,7 +69,7 @@ setpriv --reuid="$uid" --regid="$gid" --clear-groups --inh-caps=-all \
     "$bin/firn-enricher" --socket "$socket" --output-dir "$state/profiles" --http-address "$http" &
 enricher=$!
 cat <<MSG
-firn is running: sampler pid $sampler (root, confined to CAP_SYS_PTRACE + seccomp),
+firn is running: sampler pid $sampler (user $sampler_user, CAP_SYS_PTRACE + seccomp),
 enricher pid $enricher (user $user, no capabilities).
   profiles:  $state/profiles/<UTC time>-r<round>/pid-<pid>.pb.gz (index.jsonl lists labels)
   web view:  http://$http/profiles   metrics: http://$http/metrics

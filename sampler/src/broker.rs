@@ -4,8 +4,12 @@
 //! The request names a process record and a mapping index, never a path. The path is
 //! the one this sampler read from /proc/<pid>/maps; it is resolved inside the process's
 //! own root, starting from a directory fd of /proc/<pid>/root, so an absolute symlink in
-//! a container cannot reach a host file. The file is opened read-only and must be a
-//! regular file with the mapping's device and inode.
+//! a container cannot reach a host file. Resolution ends in an `O_PATH` handle of the
+//! last component, which opens nothing (no device driver, FIFO or socket is touched and
+//! no inotify open event fires). Only once that handle is a regular file with the
+//! mapping's device and inode is it reopened read-only, through `/proc/self/fd/N`: that
+//! magic link jumps to the very inode the handle pins, not to a name, so a rename, mount
+//! or swap after the check cannot put another file in its place.
 //!
 //! The resolution is `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` done one component
 //! at a time in user space: every step is an `openat(O_PATH | O_NOFOLLOW)` relative to a
@@ -48,13 +52,33 @@ pub fn open_mapping(record: &ProcessRecord, index: usize) -> Result<OwnedFd, Ref
         Mode::empty(),
     )
     .map_err(|_| Refusal::ProcessGone)?;
-    let fd = open_in_root(&root, &m.path)?;
-    let st = fstat(fd.as_fd()).map_err(|_| Refusal::OpenFailed)?;
+    let handle = resolve_in_root(&root, &m.path)?;
+    let st = fstat(handle.as_fd()).map_err(|_| Refusal::OpenFailed)?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
         return Err(Refusal::NotRegularFile);
     }
     let dev = libc::makedev(m.dev_major, m.dev_minor);
     if st.st_dev != dev || st.st_ino != m.inode {
+        return Err(Refusal::IdentityMismatch);
+    }
+    reopen_read_only(&handle)
+}
+
+/// Opens the file an `O_PATH` handle pins, read-only. The caller has checked its type.
+pub fn reopen_read_only(handle: &OwnedFd) -> Result<OwnedFd, Refusal> {
+    let link = format!("/proc/self/fd/{}", handle.as_raw_fd());
+    let fd = nix::fcntl::open(
+        link.as_str(),
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOCTTY | OFlag::O_NONBLOCK,
+        Mode::empty(),
+    )
+    .map_err(open_err)?;
+    // The link cannot lead elsewhere; checked anyway, it costs one fstat.
+    let (a, b) = (
+        fstat(handle.as_fd()).map_err(|_| Refusal::OpenFailed)?,
+        fstat(fd.as_fd()).map_err(|_| Refusal::OpenFailed)?,
+    );
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino) {
         return Err(Refusal::IdentityMismatch);
     }
     Ok(fd)
@@ -72,8 +96,9 @@ fn open_err(e: nix::errno::Errno) -> Refusal {
     }
 }
 
-/// Opens `path` read-only as if `root` were `/`, following symlinks within it.
-pub fn open_in_root(root: &OwnedFd, path: &[u8]) -> Result<OwnedFd, Refusal> {
+/// Resolves `path` as if `root` were `/`, following symlinks within it, to an `O_PATH`
+/// handle of its last component (never a symlink). Nothing on the way is opened for I/O.
+pub fn resolve_in_root(root: &OwnedFd, path: &[u8]) -> Result<OwnedFd, Refusal> {
     // Directories walked so far; empty means "at root". `..` pops, never past root.
     let mut dirs: Vec<OwnedFd> = Vec::new();
     let mut pending: std::collections::VecDeque<Vec<u8>> = components(path).collect();
@@ -114,19 +139,7 @@ pub fn open_in_root(root: &OwnedFd, path: &[u8]) -> Result<OwnedFd, Refusal> {
             continue;
         }
         if pending.is_empty() {
-            // The last component, reopened for reading; O_NOFOLLOW refuses a symlink
-            // swapped in since the check above.
-            return openat(
-                cur.as_fd(),
-                name,
-                OFlag::O_RDONLY
-                    | OFlag::O_NOFOLLOW
-                    | OFlag::O_CLOEXEC
-                    | OFlag::O_NOCTTY
-                    | OFlag::O_NONBLOCK,
-                Mode::empty(),
-            )
-            .map_err(open_err);
+            return Ok(fd);
         }
         if kind != SFlag::S_IFDIR {
             return Err(Refusal::Deleted);
@@ -236,32 +249,145 @@ mod tests {
         let r = root_of(&root);
         let real = std::fs::metadata(root.join("lib/real.so")).unwrap();
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(ino(&open_in_root(&r, b"/lib/real.so").unwrap()), real.ino());
-        assert_eq!(ino(&open_in_root(&r, b"/lib/abs.so").unwrap()), real.ino());
+        assert_eq!(ino(&resolve_in_root(&r, b"/lib/real.so").unwrap()), real.ino());
+        assert_eq!(ino(&resolve_in_root(&r, b"/lib/abs.so").unwrap()), real.ino());
         assert_eq!(
-            ino(&open_in_root(&r, b"/lib/sub/up.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/lib/sub/up.so").unwrap()),
             real.ino()
         );
         assert_eq!(
-            ino(&open_in_root(&r, b"/../../lib/./real.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/../../lib/./real.so").unwrap()),
             real.ino()
         );
         assert!(matches!(
-            open_in_root(&r, b"/lib/host.so"),
+            resolve_in_root(&r, b"/lib/host.so"),
             Err(Refusal::Deleted)
         ));
         assert!(matches!(
-            open_in_root(&r, b"/lib/loop"),
+            resolve_in_root(&r, b"/lib/loop"),
             Err(Refusal::OpenFailed)
         ));
         assert!(matches!(
-            open_in_root(&r, b"/"),
+            resolve_in_root(&r, b"/"),
             Err(Refusal::NotRegularFile)
         ));
         assert!(matches!(
-            open_in_root(&r, b"/lib/real.so/x"),
+            resolve_in_root(&r, b"/lib/real.so/x"),
             Err(Refusal::Deleted)
         ));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// A mapping record of this very process for `path`, with `path`'s own identity
+    /// (what /proc/<pid>/maps showed before the path was covered).
+    fn record_for(path: &std::path::Path, dev: u64, ino: u64) -> ProcessRecord {
+        let me = std::process::id();
+        let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
+        let close = stat.iter().rposition(|&b| b == b')').unwrap();
+        let ticks: u64 = std::str::from_utf8(&stat[close + 2..])
+            .unwrap()
+            .split_whitespace()
+            .nth(19)
+            .unwrap()
+            .parse()
+            .unwrap();
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        ProcessRecord {
+            pid: me,
+            start_ns: ticks * (1_000_000_000 / hz),
+            mappings: vec![procfs::Mapping {
+                start: 0x1000,
+                end: 0x2000,
+                offset: 0,
+                dev_major: libc::major(dev),
+                dev_minor: libc::minor(dev),
+                inode: ino,
+                path: path.as_os_str().as_bytes().to_vec(),
+            }],
+            complete: true,
+            ..Default::default()
+        }
+    }
+
+    /// What the broker does when a mapped path now leads to a device, a FIFO, a socket
+    /// or a directory: refuses without opening it (inotify sees no open), whatever the
+    /// identity it was asked for.
+    #[test]
+    fn special_files_are_refused_unopened() {
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        use std::os::unix::fs::MetadataExt;
+        let base = std::env::temp_dir().join(format!("firn-special-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        let fifo = base.join("fifo");
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        let dir = base.join("dir");
+        std::fs::create_dir(&dir).unwrap();
+        let sock = base.join("sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let mut specials = vec![fifo, dir, sock];
+        // A character device like /dev/null (root only; CI runs as root).
+        let dev = base.join("null");
+        if nix::sys::stat::mknod(
+            &dev,
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o600),
+            libc::makedev(1, 3),
+        )
+        .is_ok()
+        {
+            specials.push(dev);
+        }
+        let inotify = Inotify::init(InitFlags::IN_NONBLOCK).unwrap();
+        for path in &specials {
+            inotify.add_watch(path, AddWatchFlags::IN_OPEN).unwrap();
+            let meta = std::fs::symlink_metadata(path).unwrap();
+            let record = record_for(path, meta.dev(), meta.ino());
+            assert!(
+                matches!(open_mapping(&record, 0), Err(Refusal::NotRegularFile)),
+                "{} was not refused as not a regular file",
+                path.display()
+            );
+            // Behind a symlink, too.
+            let link = base.join("link");
+            let _ = std::fs::remove_file(&link);
+            symlink(path, &link).unwrap();
+            let record = record_for(&link, meta.dev(), meta.ino());
+            assert!(matches!(
+                open_mapping(&record, 0),
+                Err(Refusal::NotRegularFile)
+            ));
+        }
+        let events = inotify.read_events().unwrap_or_default();
+        assert!(
+            events.is_empty(),
+            "the broker opened a special file: {events:?}"
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    /// Once resolved, the handle pins the inode: swapping the name for a FIFO between
+    /// the check and the reopen still opens the file that was checked.
+    #[test]
+    fn reopen_follows_the_handle_not_the_name() {
+        use std::io::Read;
+        use std::os::unix::fs::MetadataExt;
+        let base = std::env::temp_dir().join(format!("firn-reopen-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        let file = base.join("lib.so");
+        std::fs::write(&file, b"checked").unwrap();
+        let ino_before = std::fs::metadata(&file).unwrap().ino();
+        let r = root_of(std::path::Path::new("/"));
+        let handle = resolve_in_root(&r, file.as_os_str().as_bytes()).unwrap();
+        // The race a hostile process would win: the name now leads to a FIFO.
+        let fifo = base.join("fifo");
+        nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::rename(&fifo, &file).unwrap();
+        let fd = reopen_read_only(&handle).unwrap();
+        assert_eq!(ino(&fd), ino_before);
+        let mut text = String::new();
+        std::fs::File::from(fd).read_to_string(&mut text).unwrap();
+        assert_eq!(text, "checked");
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

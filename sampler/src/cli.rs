@@ -36,7 +36,8 @@ pub struct Args {
     #[arg(long, value_delimiter = ',')]
     pub allow_uid: Vec<String>,
 
-    /// Groups allowed to connect (the peer's primary group), by name or gid.
+    /// Groups allowed to connect, by name or gid: a peer whose primary or supplementary
+    /// groups (as of its connect) include one is allowed.
     #[arg(long, value_delimiter = ',')]
     pub allow_gid: Vec<String>,
 
@@ -52,6 +53,17 @@ pub struct Args {
     /// before its connection is closed and counted.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub write_stall_seconds: u64,
+
+    /// After setup, run as this user (name or uid) instead of root, keeping only
+    /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a
+    /// compromised sampler. Binaries only root may reach (e.g. under a 0700 /root) can then
+    /// not be brokered. Its primary group is taken too; supplementary groups are dropped.
+    #[arg(long)]
+    pub user: Option<String>,
+
+    /// Print the seccomp allow-list of the steady state (a Markdown table) and exit.
+    #[arg(long)]
+    pub print_seccomp: bool,
 
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
     #[arg(long, env = "FIRN_LOG", default_value = "info")]

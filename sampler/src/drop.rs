@@ -36,6 +36,29 @@ pub enum DropError {
     Install(#[from] seccompiler::Error),
     #[error("seccomp filters for this architecture are not written")]
     Arch,
+    #[error("unknown user {0} (in --user)")]
+    UnknownUser(String),
+    #[error("switching to uid {uid} gid {gid}: {source}")]
+    SwitchUser {
+        uid: u32,
+        gid: u32,
+        source: nix::errno::Errno,
+    },
+}
+
+/// The uid and primary gid of `--user` (a name or a number; a number needs no passwd
+/// entry and then keeps gid = uid).
+pub fn resolve_user(user: &str) -> Result<(u32, u32), DropError> {
+    if let Ok(uid) = user.parse::<u32>() {
+        return Ok(match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+            Ok(Some(u)) => (uid, u.gid.as_raw()),
+            _ => (uid, uid),
+        });
+    }
+    match nix::unistd::User::from_name(user) {
+        Ok(Some(u)) => Ok((u.uid.as_raw(), u.gid.as_raw())),
+        _ => Err(DropError::UnknownUser(user.to_string())),
+    }
 }
 
 fn caps_err(
@@ -50,8 +73,9 @@ fn caps_err(
 }
 
 /// Drops every capability but [`KEPT`] from all sets, locks the securebits so that uid 0
-/// regains nothing, and sets no_new_privs.
-pub fn drop_capabilities() -> Result<(), DropError> {
+/// regains nothing, optionally switches to `run_as` (uid, gid) keeping [`KEPT`], and sets
+/// no_new_privs.
+pub fn drop_capabilities(run_as: Option<(u32, u32)>) -> Result<(), DropError> {
     let threads = std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
     if threads != 1 {
         // Capabilities are per thread: a thread started earlier would keep them.
@@ -65,7 +89,8 @@ pub fn drop_capabilities() -> Result<(), DropError> {
         }
     }
     // SECBIT_NOROOT, SECBIT_NO_SETUID_FIXUP, SECBIT_KEEP_CAPS off, SECBIT_NO_CAP_AMBIENT_RAISE,
-    // each with its lock bit: uid 0 gets no capabilities back through exec or setuid.
+    // each with its lock bit: uid 0 gets no capabilities back through exec or setuid, and
+    // a switch away from uid 0 below keeps the sets as they are (no fix-up).
     const SECBITS: libc::c_ulong = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80;
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_SECUREBITS, SECBITS, 0, 0, 0) } != 0 {
@@ -73,6 +98,9 @@ pub fn drop_capabilities() -> Result<(), DropError> {
             what: "PR_SET_SECUREBITS",
             source: nix::errno::Errno::last(),
         });
+    }
+    if let Some((uid, gid)) = run_as {
+        switch_user(uid, gid)?;
     }
     caps::clear(None, CapSet::Ambient).map_err(caps_err(None, CapSet::Ambient))?;
     caps::clear(None, CapSet::Inheritable).map_err(caps_err(None, CapSet::Inheritable))?;
@@ -88,106 +116,241 @@ pub fn drop_capabilities() -> Result<(), DropError> {
     Ok(())
 }
 
-/// Context the filter needs: the one directory fd `unlinkat` may use (to remove the
-/// socket file the sampler created), if any.
-pub struct FilterContext {
-    pub socket_dir_fd: Option<i32>,
+/// All of uid and gid (real, effective, saved, filesystem) become `uid`/`gid`, with no
+/// supplementary groups. CAP_SETUID/CAP_SETGID are still effective here (they leave the
+/// bounding set above, which does not touch the effective set); SECBIT_NO_SETUID_FIXUP
+/// keeps every set as it is, so CAP_SYS_PTRACE survives. The kernel marks the process
+/// non-dumpable, so processes of that uid cannot ptrace it.
+fn switch_user(uid: u32, gid: u32) -> Result<(), DropError> {
+    let err = |source| DropError::SwitchUser { uid, gid, source };
+    nix::unistd::setgroups(&[]).map_err(err)?;
+    let g = nix::unistd::Gid::from_raw(gid);
+    nix::unistd::setresgid(g, g, g).map_err(err)?;
+    let u = nix::unistd::Uid::from_raw(uid);
+    nix::unistd::setresuid(u, u, u).map_err(err)?;
+    Ok(())
 }
 
-/// bpf() commands the steady state uses: reading and emptying maps on held fds.
-const BPF_CMDS: &[(u64, &str)] = &[
-    (1, "BPF_MAP_LOOKUP_ELEM: read stacks and per-CPU counters"),
-    (
-        3,
-        "BPF_MAP_DELETE_ELEM: empty the stack map of the drained set",
-    ),
-    (4, "BPF_MAP_GET_NEXT_KEY: walk a map"),
-    (
-        25,
-        "BPF_MAP_LOOKUP_AND_DELETE_BATCH: drain the counts map of the drained set",
-    ),
+/// What the filter checks of an allowed syscall's arguments.
+#[derive(Debug, Clone, Copy)]
+pub enum Check {
+    /// Any arguments.
+    Any,
+    /// Argument `arg` (a 32-bit value) is one of `values`.
+    OneOf {
+        arg: u8,
+        values: &'static [(u64, &'static str)],
+    },
+    /// Argument `arg` has none of the bits of `mask`.
+    NoBits {
+        arg: u8,
+        mask: u64,
+        what: &'static str,
+    },
+}
+
+/// One entry of the allow-list.
+#[derive(Debug, Clone, Copy)]
+pub struct Allowed {
+    pub name: &'static str,
+    pub nr: i64,
+    pub check: Check,
+    pub why: &'static str,
+}
+
+// bpf(2) commands (linux/bpf.h, enum bpf_cmd).
+const BPF_MAP_LOOKUP_ELEM: u64 = 1;
+const BPF_MAP_DELETE_ELEM: u64 = 3;
+const BPF_MAP_LOOKUP_AND_DELETE_BATCH: u64 = 25;
+/// linux/perf_event.h: `_IO('$', 1)`.
+const PERF_EVENT_IOC_DISABLE: u64 = 0x2401;
+
+/// Flags that make `openat` write or create. O_TMPFILE includes O_DIRECTORY's bit; only
+/// its own bit means "create".
+const OPEN_WRITE_FLAGS: u64 = (libc::O_WRONLY
+    | libc::O_RDWR
+    | libc::O_CREAT
+    | libc::O_TRUNC
+    | libc::O_APPEND
+    | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
+
+/// `allow!(SYS_read, Check::Any, "why")`: the entry for `libc::SYS_read`.
+macro_rules! allow {
+    ($sys:ident, $check:expr, $why:expr) => {
+        Allowed {
+            name: stringify!($sys),
+            nr: libc::$sys,
+            check: $check,
+            why: $why,
+        }
+    };
+}
+
+impl Allowed {
+    /// The syscall's name without the `SYS_` prefix.
+    pub fn syscall(&self) -> &'static str {
+        self.name.trim_start_matches("SYS_")
+    }
+
+    /// The restriction in words, as the README's table shows it.
+    pub fn restriction(&self) -> String {
+        match self.check {
+            Check::Any => "–".to_string(),
+            Check::OneOf { values, .. } => values
+                .iter()
+                .map(|(_, n)| format!("`{n}`"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Check::NoBits { what, .. } => what.to_string(),
+        }
+    }
+}
+
+const IO: &str = "I/O on fds already held: sockets, /proc files, stderr";
+const PROC: &str = "reading process facts under /proc, resolving broker paths (glibc's fstat is newfstatat; std's File metadata is statx)";
+const SERVER: &str = "the Unix socket server: accept clients, read their credentials (SO_PEERCRED, SO_PEERGROUPS), exchange messages";
+const RUNTIME: &str = "tokio's current-thread event loop (timers are epoll timeouts; the clock is the vDSO)";
+const MEMORY: &str = "memory allocation (glibc's main arena: brk, large blocks by mmap)";
+
+/// Allowed syscalls a busy steady state may not call in a short run, each with the path
+/// that needs it; every other entry of [`ALLOWED`] is seen in one
+/// (`allowed_syscalls_are_used` in tests/tests/sampler.rs).
+pub const RARE: &[(&str, &str)] = &[
+    ("mremap", "glibc realloc of a block larger than its mmap threshold"),
+    ("brk", "the heap growing past what setup left"),
+    ("mmap", "an allocation larger than glibc's mmap threshold"),
+    ("futex", "tokio's notify and std's once-cells under contention"),
+    ("getrandom", "a hash map's random keys"),
+    ("rt_sigreturn", "return from the SIGTERM/SIGINT handler"),
+    ("sigaltstack", "Rust's main-thread signal stack, released at exit"),
+    ("shutdown", "closing a client connection"),
+    ("sendmsg", "the broker passing an fd (SCM_RIGHTS)"),
+    ("ioctl", "detaching the perf events at exit"),
+    ("exit_group", "exit"),
 ];
 
-/// ioctl requests allowed: detaching perf links at exit and non-blocking fd setup.
-const IOCTLS: &[u64] = &[
-    0x2401, // PERF_EVENT_IOC_DISABLE
-    0x5421, // FIONBIO
-    0x5451, // FIOCLEX
-];
+/// The steady-state allow-list, one table per architecture (they differ in the epoll
+/// wait call). Any other syscall fails with EPERM.
+macro_rules! allow_list {
+    ($epoll_wait:ident) => {
+        &[
+            allow!(SYS_read, Check::Any, IO),
+            allow!(SYS_write, Check::Any, IO),
+            allow!(SYS_close, Check::Any, IO),
+            allow!(SYS_newfstatat, Check::Any, PROC),
+            allow!(SYS_statx, Check::Any, PROC),
+            allow!(SYS_readlinkat, Check::Any, PROC),
+            allow!(
+                SYS_openat,
+                Check::NoBits {
+                    arg: 2,
+                    mask: OPEN_WRITE_FLAGS,
+                    what: "flags without `O_WRONLY`, `O_RDWR`, `O_CREAT`, `O_TRUNC`, `O_APPEND`, `O_TMPFILE`",
+                },
+                "read-only opens of /proc files; brokered binaries reopened read-only through /proc/self/fd"
+            ),
+            allow!(
+                SYS_bpf,
+                Check::OneOf {
+                    arg: 0,
+                    values: &[
+                        (BPF_MAP_LOOKUP_ELEM, "BPF_MAP_LOOKUP_ELEM"),
+                        (BPF_MAP_DELETE_ELEM, "BPF_MAP_DELETE_ELEM"),
+                        (
+                            BPF_MAP_LOOKUP_AND_DELETE_BATCH,
+                            "BPF_MAP_LOOKUP_AND_DELETE_BATCH"
+                        ),
+                    ],
+                },
+                "drain the maps on held fds: counts by batch, stacks by lookup then delete; no program load, no map creation"
+            ),
+            allow!(SYS_accept4, Check::Any, SERVER),
+            allow!(SYS_getsockopt, Check::Any, SERVER),
+            allow!(SYS_recvfrom, Check::Any, SERVER),
+            allow!(SYS_sendto, Check::Any, SERVER),
+            allow!(SYS_sendmsg, Check::Any, "passing brokered fds (SCM_RIGHTS)"),
+            allow!(SYS_shutdown, Check::Any, SERVER),
+            allow!(
+                SYS_ioctl,
+                Check::OneOf {
+                    arg: 1,
+                    values: &[(PERF_EVENT_IOC_DISABLE, "PERF_EVENT_IOC_DISABLE")],
+                },
+                "detaching the perf events at exit"
+            ),
+            allow!($epoll_wait, Check::Any, RUNTIME),
+            allow!(SYS_epoll_ctl, Check::Any, RUNTIME),
+            allow!(SYS_futex, Check::Any, RUNTIME),
+            allow!(SYS_getrandom, Check::Any, "random hash keys"),
+            allow!(SYS_brk, Check::Any, MEMORY),
+            allow!(
+                SYS_mmap,
+                Check::NoBits {
+                    arg: 2,
+                    mask: libc::PROT_EXEC as u64,
+                    what: "no `PROT_EXEC`",
+                },
+                "memory allocation; never executable memory"
+            ),
+            allow!(SYS_munmap, Check::Any, MEMORY),
+            allow!(SYS_mremap, Check::Any, MEMORY),
+            allow!(SYS_rt_sigreturn, Check::Any, "SIGTERM/SIGINT handling"),
+            allow!(SYS_sigaltstack, Check::Any, "Rust's signal stack, released at exit"),
+            allow!(SYS_exit_group, Check::Any, "exit"),
+        ]
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+pub const ALLOWED: &[Allowed] = allow_list!(SYS_epoll_wait);
+#[cfg(target_arch = "aarch64")]
+pub const ALLOWED: &[Allowed] = allow_list!(SYS_epoll_pwait);
+
+/// The allow-list as the README's table shows it (`firn-sampler --print-seccomp`).
+pub fn table() -> String {
+    let mut out = String::from("| syscall | restriction | why |\n|---|---|---|\n");
+    for a in ALLOWED {
+        out.push_str(&format!(
+            "| `{}` | {} | {} |\n",
+            a.syscall(),
+            a.restriction(),
+            a.why
+        ));
+    }
+    out
+}
 
 fn cond(arg: u8, len: Len, op: Op, value: u64) -> Result<SeccompCondition, DropError> {
     Ok(SeccompCondition::new(arg, len, op, value)?)
 }
 
-/// Builds the allow-list. Anything else fails with EPERM (chosen over killing so that an
-/// unforeseen library path shows up as an error in the logs, not a silent death).
-pub fn build_filter(ctx: &FilterContext) -> Result<BpfProgram, DropError> {
+/// Builds the filter from [`ALLOWED`]. Anything else fails with EPERM (chosen over
+/// killing so that an unforeseen library path shows up as an error in the logs, not a
+/// silent death).
+pub fn build_filter() -> Result<BpfProgram, DropError> {
     let arch = match std::env::consts::ARCH {
         "x86_64" => TargetArch::x86_64,
         "aarch64" => TargetArch::aarch64,
         _ => return Err(DropError::Arch),
     };
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = BTreeMap::new();
-    for &nr in UNCONDITIONAL {
-        rules.insert(nr, vec![]);
-    }
-    // bpf(cmd, ...): only the map commands above.
-    let bpf = BPF_CMDS
-        .iter()
-        .map(|&(cmd, _)| {
-            SeccompRule::new(vec![cond(0, Len::Dword, Op::Eq, cmd)?]).map_err(Into::into)
-        })
-        .collect::<Result<Vec<_>, DropError>>()?;
-    rules.insert(libc::SYS_bpf, bpf);
-    // openat(dirfd, path, flags, mode): read-only, never creating.
-    const WRITE_FLAGS: u64 = (libc::O_WRONLY
-        | libc::O_RDWR
-        | libc::O_CREAT
-        | libc::O_TRUNC
-        | libc::O_APPEND
-        // O_TMPFILE includes O_DIRECTORY's bit; only its own bit means "create".
-        | (libc::O_TMPFILE & !libc::O_DIRECTORY)) as u64;
-    rules.insert(
-        libc::SYS_openat,
-        vec![SeccompRule::new(vec![cond(
-            2,
-            Len::Dword,
-            Op::MaskedEq(WRITE_FLAGS),
-            0,
-        )?])?],
-    );
-    // mmap/mprotect: never executable memory.
-    let no_exec = |arg| -> Result<Vec<SeccompRule>, DropError> {
-        Ok(vec![SeccompRule::new(vec![cond(
-            arg,
-            Len::Dword,
-            Op::MaskedEq(libc::PROT_EXEC as u64),
-            0,
-        )?])?])
-    };
-    rules.insert(libc::SYS_mmap, no_exec(2)?);
-    rules.insert(libc::SYS_mprotect, no_exec(2)?);
-    let ioctls = IOCTLS
-        .iter()
-        .map(|&req| SeccompRule::new(vec![cond(1, Len::Dword, Op::Eq, req)?]).map_err(Into::into))
-        .collect::<Result<Vec<_>, DropError>>()?;
-    rules.insert(libc::SYS_ioctl, ioctls);
-    // fcntl: F_GETFD/F_SETFD/F_GETFL/F_SETFL/F_DUPFD_CLOEXEC only.
-    let fcntls = [1u64, 2, 3, 4, 1030]
-        .iter()
-        .map(|&c| SeccompRule::new(vec![cond(1, Len::Dword, Op::Eq, c)?]).map_err(Into::into))
-        .collect::<Result<Vec<_>, DropError>>()?;
-    rules.insert(libc::SYS_fcntl, fcntls);
-    if let Some(fd) = ctx.socket_dir_fd {
-        rules.insert(
-            libc::SYS_unlinkat,
-            vec![SeccompRule::new(vec![cond(
-                0,
+    for a in ALLOWED {
+        let r = match a.check {
+            Check::Any => vec![],
+            Check::OneOf { arg, values } => values
+                .iter()
+                .map(|&(v, _)| {
+                    SeccompRule::new(vec![cond(arg, Len::Dword, Op::Eq, v)?]).map_err(Into::into)
+                })
+                .collect::<Result<Vec<_>, DropError>>()?,
+            Check::NoBits { arg, mask, .. } => vec![SeccompRule::new(vec![cond(
+                arg,
                 Len::Dword,
-                Op::Eq,
-                fd as u64,
+                Op::MaskedEq(mask),
+                0,
             )?])?],
-        );
+        };
+        rules.insert(a.nr, r);
     }
     let filter = SeccompFilter::new(
         rules,
@@ -204,97 +367,36 @@ pub fn confine(filter: &BpfProgram) -> Result<(), DropError> {
     Ok(())
 }
 
-/// Syscalls allowed with any arguments. Each line says why the steady state needs it.
-#[cfg(target_arch = "x86_64")]
-const UNCONDITIONAL: &[i64] = &[
-    // I/O on fds the sampler already holds: sockets, /proc files, stderr.
-    libc::SYS_read,
-    libc::SYS_readv,
-    libc::SYS_pread64,
-    libc::SYS_write,
-    libc::SYS_writev,
-    libc::SYS_close,
-    libc::SYS_lseek,
-    libc::SYS_fstat,
-    libc::SYS_newfstatat,
-    libc::SYS_statx,
-    libc::SYS_readlinkat,
-    libc::SYS_getdents64,
-    // Unix socket server: accept clients, check their credentials, exchange messages.
-    libc::SYS_accept4,
-    libc::SYS_getsockopt,
-    libc::SYS_recvfrom,
-    libc::SYS_recvmsg,
-    libc::SYS_sendto,
-    libc::SYS_sendmsg,
-    libc::SYS_shutdown,
-    // tokio's event loop and timers.
-    libc::SYS_epoll_wait,
-    libc::SYS_epoll_pwait,
-    libc::SYS_epoll_pwait2,
-    libc::SYS_epoll_ctl,
-    libc::SYS_futex,
-    libc::SYS_clock_gettime,
-    libc::SYS_clock_nanosleep,
-    libc::SYS_nanosleep,
-    libc::SYS_sched_yield,
-    libc::SYS_getrandom,
-    // memory allocation (mmap/mprotect are filtered above).
-    libc::SYS_brk,
-    libc::SYS_munmap,
-    libc::SYS_mremap,
-    libc::SYS_madvise,
-    // signals (SIGTERM/SIGINT handling) and exit.
-    libc::SYS_rt_sigaction,
-    libc::SYS_rt_sigprocmask,
-    libc::SYS_rt_sigreturn,
-    libc::SYS_sigaltstack,
-    libc::SYS_getpid,
-    libc::SYS_gettid,
-    libc::SYS_exit,
-    libc::SYS_exit_group,
-];
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-#[cfg(target_arch = "aarch64")]
-const UNCONDITIONAL: &[i64] = &[
-    libc::SYS_read,
-    libc::SYS_readv,
-    libc::SYS_pread64,
-    libc::SYS_write,
-    libc::SYS_writev,
-    libc::SYS_close,
-    libc::SYS_lseek,
-    libc::SYS_fstat,
-    libc::SYS_newfstatat,
-    libc::SYS_statx,
-    libc::SYS_readlinkat,
-    libc::SYS_getdents64,
-    libc::SYS_accept4,
-    libc::SYS_getsockopt,
-    libc::SYS_recvfrom,
-    libc::SYS_recvmsg,
-    libc::SYS_sendto,
-    libc::SYS_sendmsg,
-    libc::SYS_shutdown,
-    libc::SYS_epoll_pwait,
-    libc::SYS_epoll_pwait2,
-    libc::SYS_epoll_ctl,
-    libc::SYS_futex,
-    libc::SYS_clock_gettime,
-    libc::SYS_clock_nanosleep,
-    libc::SYS_nanosleep,
-    libc::SYS_sched_yield,
-    libc::SYS_getrandom,
-    libc::SYS_brk,
-    libc::SYS_munmap,
-    libc::SYS_mremap,
-    libc::SYS_madvise,
-    libc::SYS_rt_sigaction,
-    libc::SYS_rt_sigprocmask,
-    libc::SYS_rt_sigreturn,
-    libc::SYS_sigaltstack,
-    libc::SYS_getpid,
-    libc::SYS_gettid,
-    libc::SYS_exit,
-    libc::SYS_exit_group,
-];
+    #[test]
+    fn at_most_forty_syscalls_each_once() {
+        assert!(ALLOWED.len() <= 40, "{} syscalls allowed", ALLOWED.len());
+        let mut nrs: Vec<_> = ALLOWED.iter().map(|a| a.nr).collect();
+        nrs.sort_unstable();
+        nrs.dedup();
+        assert_eq!(nrs.len(), ALLOWED.len(), "a syscall is listed twice");
+        for (name, _) in RARE {
+            assert!(
+                ALLOWED.iter().any(|a| a.syscall() == *name),
+                "{name} is listed as rare but not allowed"
+            );
+        }
+        build_filter().expect("the filter builds");
+    }
+
+    /// The README's table is this list, word for word.
+    #[test]
+    fn readme_table_is_the_list() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+            .expect("sampler/README.md");
+        assert!(
+            readme.contains(&table()),
+            "sampler/README.md's seccomp table differs from drop.rs; replace it with \
+             the output of `firn-sampler --print-seccomp`:\n{}",
+            table()
+        );
+    }
+}

@@ -14,6 +14,12 @@ use crate::counters::Counters;
 use crate::procfs::ProcessRecord;
 use crate::round::{Issued, RoundData};
 
+/// Process record bytes one batch carries at most (as estimated by
+/// `ProcessRecord::wire_bytes`). With the samples (16,384 × 127 frames) and kernel
+/// symbols this keeps a batch well under the enricher's 128 MiB reader limit. Records
+/// past it wait for the next batch, oldest first.
+pub const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
+
 pub struct Outgoing {
     pub round: Rc<RoundData>,
     pub processes: Vec<Issued>,
@@ -37,6 +43,8 @@ pub struct Subscriber {
     pub channel: RefCell<Option<std::os::unix::net::UnixStream>>,
     pub next_ticket: Cell<u64>,
     pub rate: RefCell<RateLimit>,
+    /// Records over a batch's byte bound, to go into the next batch.
+    deferred: RefCell<Vec<Issued>>,
 }
 
 impl Subscriber {
@@ -77,6 +85,7 @@ pub struct Hub {
     next_id: Cell<u64>,
     queue_limit: usize,
     counters: Rc<Counters>,
+    batch_record_bytes: usize,
 }
 
 impl Hub {
@@ -86,7 +95,46 @@ impl Hub {
             next_id: Cell::new(0),
             queue_limit: queue_limit.max(1),
             counters,
+            batch_record_bytes: MAX_BATCH_RECORD_BYTES,
         }
+    }
+
+    /// A hub whose batches carry at most `bytes` of process records (tests).
+    pub fn with_batch_record_bytes(mut self, bytes: usize) -> Self {
+        self.batch_record_bytes = bytes;
+        self
+    }
+
+    /// The records of `candidates` (oldest first) that fit in `max` bytes; the rest go
+    /// to the subscriber's deferred list, counted. At least one record always goes, so
+    /// a record alone over the bound still leaves.
+    fn fit(&self, sub: &Subscriber, candidates: Vec<Issued>, max: usize) -> Vec<Issued> {
+        let mut used = 0;
+        let mut kept = Vec::with_capacity(candidates.len());
+        let mut over = Vec::new();
+        for p in candidates {
+            let n = p.record.wire_bytes();
+            if kept.is_empty() || used + n <= max {
+                used += n;
+                kept.push(p);
+            } else {
+                over.push(p);
+            }
+        }
+        if !over.is_empty() {
+            let c = &self.counters;
+            c.process_records_deferred
+                .set(c.process_records_deferred.get() + over.len() as u64);
+            tracing::warn!(
+                subscriber = sub.id,
+                deferred = over.len(),
+                max_bytes = max,
+                "a batch's process record bytes are spent; the rest go in the next batch"
+            );
+            let mut d = sub.deferred.borrow_mut();
+            carry(over, &mut d);
+        }
+        kept
     }
 
     pub fn add(&self, broker_key: [u8; 16]) -> Rc<Subscriber> {
@@ -103,6 +151,7 @@ impl Hub {
             channel: RefCell::new(None),
             next_ticket: Cell::new(0),
             rate: RefCell::new(RateLimit::default()),
+            deferred: RefCell::new(Vec::new()),
         });
         self.subs.borrow_mut().push(sub.clone());
         sub
@@ -133,6 +182,7 @@ impl Hub {
     /// Queues `round` for every open subscriber, with the process records each lacks.
     pub fn publish(&self, round: Rc<RoundData>, forgotten: &[u64]) {
         let c = &self.counters;
+        let forgotten_all = forgotten;
         self.subs.borrow_mut().retain(|s| !s.is_closed());
         for sub in self.subs.borrow().iter() {
             let mut sent = sub.sent.borrow_mut();
@@ -141,12 +191,18 @@ impl Hub {
                 .copied()
                 .filter(|id| sent.remove(id).is_some())
                 .collect();
-            let processes: Vec<Issued> = round
-                .processes
-                .iter()
-                .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version))
-                .cloned()
-                .collect();
+            let mut deferred = sub.deferred.take();
+            deferred.retain(|p| !forgotten_all.contains(&p.id));
+            carry(
+                round
+                    .processes
+                    .iter()
+                    .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version))
+                    .cloned()
+                    .collect(),
+                &mut deferred,
+            );
+            let processes = self.fit(sub, deferred, self.batch_record_bytes);
             for p in &processes {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
@@ -168,7 +224,9 @@ impl Hub {
                     "subscriber's queue full (it reads too slowly); oldest batch dropped"
                 );
                 if let Some(next) = q.front_mut() {
-                    carry(old.processes, &mut next.processes);
+                    let mut merged = old.processes;
+                    carry(std::mem::take(&mut next.processes), &mut merged);
+                    next.processes = self.fit(sub, merged, self.batch_record_bytes);
                     next.forgotten.extend(old.forgotten);
                 }
             }
@@ -177,12 +235,112 @@ impl Hub {
     }
 }
 
-/// Moves records from a dropped batch into the one after it, newest version winning.
+/// Moves the records of `from` into `into` (appended, in order), newest version
+/// winning where both hold a process.
 fn carry(from: Vec<Issued>, into: &mut Vec<Issued>) {
+    if from.is_empty() {
+        return;
+    }
+    let mut at: HashMap<u64, usize> = into.iter().enumerate().map(|(i, p)| (p.id, i)).collect();
     for p in from {
-        if !into.iter().any(|q| q.id == p.id && q.version >= p.version) {
-            into.retain(|q| q.id != p.id);
-            into.push(p);
+        match at.get(&p.id) {
+            Some(&i) if into[i].version >= p.version => {}
+            Some(&i) => into[i] = p,
+            None => {
+                at.insert(p.id, into.len());
+                into.push(p);
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procfs::Mapping;
+
+    fn issued(id: u64, path_bytes: usize) -> Issued {
+        Issued {
+            id,
+            version: 1,
+            record: Rc::new(ProcessRecord {
+                pid: id as u32,
+                mappings: vec![Mapping {
+                    start: 0x1000,
+                    end: 0x2000,
+                    offset: 0,
+                    dev_major: 8,
+                    dev_minor: 1,
+                    inode: id,
+                    path: vec![b'p'; path_bytes],
+                }],
+                complete: true,
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn round(n: u64, processes: Vec<Issued>) -> Rc<RoundData> {
+        Rc::new(RoundData {
+            round: n,
+            start_time_ns: 0,
+            end_time_ns: 1,
+            samples: Vec::new(),
+            kernel_symbols: Vec::new(),
+            processes,
+        })
+    }
+
+    fn queued_ids(sub: &Subscriber) -> Vec<Vec<u64>> {
+        sub.queue
+            .borrow()
+            .iter()
+            .map(|o| o.processes.iter().map(|p| p.id).collect())
+            .collect()
+    }
+
+    #[test]
+    fn batches_keep_their_record_bound_and_defer_the_rest() {
+        let c = Rc::new(Counters::default());
+        let hub = Hub::new(8, c.clone()).with_batch_record_bytes(100_000);
+        let sub = hub.add([0; 16]);
+        // Ten records of ~30 KB: three fit in a batch.
+        hub.publish(round(1, (1..=10).map(|i| issued(i, 30_000)).collect()), &[]);
+        let bytes: usize = sub.queue.borrow()[0]
+            .processes
+            .iter()
+            .map(|p| p.record.wire_bytes())
+            .sum();
+        assert!(bytes <= 100_000);
+        assert_eq!(queued_ids(&sub), vec![vec![1, 2, 3]]);
+        assert_eq!(c.process_records_deferred.get(), 7);
+        // The next rounds carry the rest, oldest first, before new ones; a deferred
+        // process forgotten meanwhile is never sent.
+        hub.publish(round(2, vec![issued(11, 30_000)]), &[5]);
+        hub.publish(round(3, Vec::new()), &[]);
+        hub.publish(round(4, Vec::new()), &[]);
+        assert_eq!(
+            queued_ids(&sub),
+            vec![vec![1, 2, 3], vec![4, 6, 7], vec![8, 9, 10], vec![11]]
+        );
+        // A record alone over the bound still goes.
+        hub.publish(round(5, vec![issued(12, 200_000)]), &[]);
+        assert_eq!(queued_ids(&sub)[4], vec![12]);
+    }
+
+    #[test]
+    fn a_dropped_batch_hands_its_records_on_within_the_bound() {
+        let c = Rc::new(Counters::default());
+        let hub = Hub::new(1, c.clone()).with_batch_record_bytes(100_000);
+        let sub = hub.add([0; 16]);
+        hub.publish(round(1, (1..=3).map(|i| issued(i, 30_000)).collect()), &[]);
+        hub.publish(round(2, (4..=6).map(|i| issued(i, 30_000)).collect()), &[]);
+        // Batch 1 was dropped: its records lead batch 2, whose own wait for the next.
+        assert_eq!(queued_ids(&sub), vec![vec![1, 2, 3]]);
+        assert_eq!(c.batches_dropped.get(), 1);
+        // Sent; then the next round brings the held-back records.
+        sub.queue.borrow_mut().pop_front();
+        hub.publish(round(3, Vec::new()), &[]);
+        assert_eq!(queued_ids(&sub), vec![vec![4, 5, 6]]);
     }
 }

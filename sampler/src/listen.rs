@@ -1,17 +1,15 @@
 //! The listening socket: created by the sampler (`--socket`) or passed by systemd
 //! (LISTEN_FDS/LISTEN_PID), and the peer check on every accepted connection.
 
-use std::ffi::OsString;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use nix::fcntl::{open, OFlag};
+use nix::fcntl::{open, AtFlags, OFlag};
 use nix::sys::socket::{getsockopt, sockopt};
-use nix::sys::stat::Mode;
-use nix::unistd::{chown, Gid, Group};
+use nix::sys::stat::{fstatat, umask, Mode, SFlag};
+use nix::unistd::{fchownat, getegid, setegid, unlinkat, Gid, Group, UnlinkatFlags};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ListenError {
@@ -39,28 +37,6 @@ pub enum ListenError {
 
 pub struct Listening {
     pub listener: UnixListener,
-    /// Set when the sampler created the socket file and must remove it at exit.
-    pub created: Option<Created>,
-}
-
-pub struct Created {
-    pub dir: OwnedFd,
-    pub name: OsString,
-    pub path: PathBuf,
-}
-
-impl Created {
-    /// Removes the socket file through the held directory fd (the only unlinkat the
-    /// seccomp filter allows).
-    pub fn remove(&self) {
-        if let Err(e) = nix::unistd::unlinkat(
-            &self.dir,
-            Path::new(&self.name),
-            nix::unistd::UnlinkatFlags::NoRemoveDir,
-        ) {
-            tracing::warn!(path = %self.path.display(), error = %e, "could not remove the socket file");
-        }
-    }
 }
 
 /// The socket systemd passed, if the environment says it is for us.
@@ -102,6 +78,13 @@ pub fn from_systemd() -> Result<Option<UnixListener>, ListenError> {
 }
 
 /// Creates the socket at `path`, mode 0660, group `group`.
+///
+/// The directory may be writable by others (a Kubernetes emptyDir is 0777), so nothing
+/// here changes a file by path after `bind`: the socket is born with its mode (umask
+/// around `bind`) and its group (effective gid around `bind`); only when the directory
+/// imposes another group (setgid bit) is it changed, through the held directory fd and
+/// without following a symlink that may have been swapped in. The file is not removed
+/// at exit (the confined sampler may not unlink); the next start replaces it.
 pub fn create(path: &Path, group: Option<&str>) -> Result<Listening, ListenError> {
     let shown = path.display().to_string();
     let dir_path = match path.parent() {
@@ -112,62 +95,74 @@ pub fn create(path: &Path, group: Option<&str>) -> Result<Listening, ListenError
         .file_name()
         .ok_or_else(|| ListenError::NoFileName(shown.clone()))?
         .to_os_string();
-    if !dir_path.is_dir() {
-        return Err(ListenError::NoDirectory(dir_path.display().to_string()));
-    }
     let gid = group.map(resolve_group).transpose()?;
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
+    let dir = open(
+        dir_path.as_os_str().as_bytes(),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|_| ListenError::NoDirectory(dir_path.display().to_string()))?;
+    match fstatat(&dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFSOCK => {
             if UnixStream::connect(path).is_ok() {
                 return Err(ListenError::Busy(shown));
             }
             // Stale socket of a sampler that died: nobody listens, replace it.
-            std::fs::remove_file(path).map_err(|source| ListenError::Io {
-                what: "removing stale socket",
-                path: shown.clone(),
-                source,
+            unlinkat(&dir, name.as_os_str(), UnlinkatFlags::NoRemoveDir).map_err(|e| {
+                ListenError::Io {
+                    what: "removing stale socket",
+                    path: shown.clone(),
+                    source: e.into(),
+                }
             })?;
         }
         Ok(_) => return Err(ListenError::NotASocket(shown)),
         Err(_) => {}
     }
-    let listener = UnixListener::bind(path).map_err(|source| ListenError::Io {
+    let listener = bind_as(path, gid).map_err(|source| ListenError::Io {
         what: "binding",
         path: shown.clone(),
         source,
     })?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(|source| {
-        ListenError::Io {
-            what: "chmod 0660",
-            path: shown.clone(),
-            source,
-        }
-    })?;
     if let Some(gid) = gid {
-        chown(path, None, Some(gid)).map_err(|e| ListenError::Io {
-            what: "chown",
-            path: shown.clone(),
-            source: e.into(),
+        let st = fstatat(&dir, name.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW).map_err(|e| {
+            ListenError::Io {
+                what: "checking the new socket",
+                path: shown.clone(),
+                source: e.into(),
+            }
         })?;
+        if st.st_gid != gid.as_raw() {
+            fchownat(
+                &dir,
+                name.as_os_str(),
+                None,
+                Some(gid),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| ListenError::Io {
+                what: "chown",
+                path: shown.clone(),
+                source: e.into(),
+            })?;
+        }
     }
-    let dir = open(
-        dir_path.as_os_str().as_bytes(),
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| ListenError::Io {
-        what: "opening socket directory",
-        path: dir_path.display().to_string(),
-        source: e.into(),
-    })?;
-    Ok(Listening {
-        listener,
-        created: Some(Created {
-            dir,
-            name,
-            path: path.to_path_buf(),
-        }),
-    })
+    Ok(Listening { listener })
+}
+
+/// Binds `path` with mode 0660 and, if given (and allowed), group `gid` from birth.
+fn bind_as(path: &Path, gid: Option<Gid>) -> std::io::Result<UnixListener> {
+    let old_mask = umask(Mode::from_bits_truncate(0o117));
+    let old_egid = getegid();
+    // Without CAP_SETGID (or membership) this fails; the caller then changes the group
+    // after the fact, through the directory fd.
+    let switched = gid.is_some_and(|g| setegid(g).is_ok());
+    let bound = UnixListener::bind(path);
+    if switched {
+        let _ = setegid(old_egid);
+    }
+    umask(old_mask);
+    bound
 }
 
 /// Resolves `--allow-uid` / `--allow-gid` values (names or numbers) before confinement.
@@ -199,7 +194,8 @@ fn resolve_group(g: &str) -> Result<Gid, ListenError> {
     }
 }
 
-/// Who may connect: uid 0, `--allow-uid`, or a primary gid in `--allow-gid`.
+/// Who may connect: uid 0, `--allow-uid`, or a peer with a group in `--allow-gid`, be it
+/// its primary group or a supplementary one.
 pub struct Allow {
     pub uids: Vec<u32>,
     pub gids: Vec<u32>,
@@ -216,11 +212,52 @@ pub fn check_peer(stream: &impl std::os::fd::AsFd, allow: &Allow) -> Peer {
         Ok(cred) => {
             let (uid, gid, pid) = (cred.uid(), cred.gid(), cred.pid());
             if uid == 0 || allow.uids.contains(&uid) || allow.gids.contains(&gid) {
-                Peer::Allowed { uid, pid }
-            } else {
-                Peer::Refused { uid, gid, pid }
+                return Peer::Allowed { uid, pid };
             }
+            if !allow.gids.is_empty() {
+                match peer_groups(stream) {
+                    Ok(groups) if groups.iter().any(|g| allow.gids.contains(g)) => {
+                        return Peer::Allowed { uid, pid }
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Peer::Unknown(e),
+                }
+            }
+            Peer::Refused { uid, gid, pid }
         }
         Err(e) => Peer::Unknown(e),
+    }
+}
+
+/// The kernel's limit on supplementary groups (NGROUPS_MAX).
+const MAX_GROUPS: usize = 65_536;
+
+/// The peer's supplementary groups as of its `connect` (SO_PEERGROUPS, Linux ≥ 4.13).
+pub fn peer_groups(stream: &impl std::os::fd::AsFd) -> Result<Vec<u32>, nix::errno::Errno> {
+    use std::os::fd::AsRawFd;
+    let mut groups: Vec<libc::gid_t> = vec![0; 64];
+    loop {
+        let mut len = (groups.len() * std::mem::size_of::<libc::gid_t>()) as libc::socklen_t;
+        // SAFETY: the kernel writes at most `len` bytes into `groups`, which has them.
+        let rc = unsafe {
+            libc::getsockopt(
+                stream.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERGROUPS,
+                groups.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        let n = len as usize / std::mem::size_of::<libc::gid_t>();
+        if rc == 0 {
+            groups.truncate(n);
+            return Ok(groups);
+        }
+        // ERANGE: `len` now holds the size needed.
+        let e = nix::errno::Errno::last();
+        if e != nix::errno::Errno::ERANGE || n <= groups.len() || n > MAX_GROUPS {
+            return Err(e);
+        }
+        groups.resize(n, 0);
     }
 }

@@ -21,6 +21,10 @@ use firn_sampler::server::{Identity, Shared};
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();
+    if args.print_seccomp {
+        print!("{}", drop::table());
+        return ExitCode::SUCCESS;
+    }
     if let Err(e) = firn_logs::init(&args.log) {
         eprintln!("firn-sampler: {e}");
         return ExitCode::from(2);
@@ -55,15 +59,13 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let listening = match listen::from_systemd()? {
         Some(listener) => {
             tracing::info!("using the socket passed by systemd");
-            listen::Listening {
-                listener,
-                created: None,
-            }
+            listen::Listening { listener }
         }
         None => listen::create(&args.socket, args.socket_group.as_deref())?,
     };
     listening.listener.set_nonblocking(true)?;
     let allow = listen::resolve_allow(&args.allow_uid, &args.allow_gid)?;
+    let run_as = args.user.as_deref().map(drop::resolve_user).transpose()?;
 
     // Opened while CAP_SYSLOG is held: the kernel decides visibility at open time.
     let kallsyms = match std::fs::File::open("/proc/kallsyms").map(Kallsyms::read) {
@@ -127,13 +129,8 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     // them back so the steady state starts small.
     // SAFETY: malloc_trim has no preconditions.
     unsafe { libc::malloc_trim(0) };
-    drop::drop_capabilities().context("dropping capabilities")?;
-    let filter = drop::build_filter(&drop::FilterContext {
-        socket_dir_fd: listening
-            .created
-            .as_ref()
-            .map(|c| std::os::fd::AsRawFd::as_raw_fd(&c.dir)),
-    })?;
+    drop::drop_capabilities(run_as).context("dropping capabilities")?;
+    let filter = drop::build_filter()?;
     drop::confine(&filter).context("installing the seccomp filter")?;
     tracing::info!(
         kept_capabilities = ?identity.kept_capabilities,
@@ -164,9 +161,6 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
             (sigterm, sigint),
         ),
     );
-    if let Some(created) = &listening.created {
-        created.remove();
-    }
     drop(sampling);
     ended?;
     tracing::info!("stopped; BPF program detached");
@@ -350,6 +344,7 @@ async fn run_loop(
                 return Err(CpuHotplug(cpu));
             }
         }
+        table.begin_round();
         let data = round::assemble(
             drained,
             kallsyms,

@@ -14,6 +14,9 @@ fn outcome(ret: libc::c_long) -> String {
     }
 }
 
+/// A root-owned file the tests create (tests/tests/sampler.rs); the probe tries to unlink it.
+pub const VICTIM: &str = "/tmp/firn-forbidden-probe-victim";
+
 pub fn run() {
     let path = CString::new("/bin/true").unwrap_or_default();
     let argv = [path.as_ptr(), std::ptr::null()];
@@ -113,6 +116,34 @@ pub fn run() {
             ),
         ]
     };
+    let mut results = results;
+    // unlinkat with an absolute path ignores its dirfd: try every plausible fd, so that a
+    // filter that checks only the dirfd (the one of the socket directory) lets one through.
+    let victim = CString::new(VICTIM).unwrap_or_default();
+    let mut unlink = "EBADF".to_string();
+    for fd in 0..64 {
+        // SAFETY: a valid NUL-terminated path; expected to fail.
+        let ret = unsafe { libc::syscall(libc::SYS_unlinkat, fd, victim.as_ptr(), 0) };
+        if ret == 0 {
+            unlink = "ALLOWED".to_string();
+            break;
+        }
+        unlink = format!("{:?}", nix::errno::Errno::last());
+    }
+    results.push(("unlinkat_absolute", unlink));
+    // Not a syscall the filter refuses: a root-only file, readable while the sampler is
+    // uid 0, unreadable once it runs as --user.
+    let shadow = CString::new("/etc/shadow").unwrap_or_default();
+    // SAFETY: a valid NUL-terminated path.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_openat,
+            libc::AT_FDCWD,
+            shadow.as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    results.push(("open_root_only", outcome(ret)));
     for (name, ret) in results {
         tracing::warn!(syscall = name, outcome = %ret, "forbidden syscall probe");
     }

@@ -15,6 +15,12 @@ const IDLE_ROUNDS: u64 = 6;
 /// Longest wait, in rounds, between two mapping refreshes that changed nothing (JIT
 /// code and the vDSO lie outside every file mapping forever).
 const MAX_REFRESH_BACKOFF: u64 = 64;
+/// Bytes read from /proc per round at most (records and mapping refreshes). Past it, new
+/// processes are recorded with what BPF saw and read in a later round; a storm of new
+/// processes then costs bounded time and memory per round.
+pub const ROUND_READ_BUDGET: usize = 64 << 20;
+/// Record bytes the table holds at most; past it the least recently seen is forgotten.
+pub const MAX_TABLE_BYTES: usize = 96 << 20;
 
 pub struct Known {
     pub id: u64,
@@ -25,6 +31,8 @@ pub struct Known {
     last_seen: u64,
     next_refresh: u64,
     backoff: u64,
+    /// Not read yet: the round's read budget was spent when it was first seen.
+    deferred: bool,
 }
 
 impl Known {
@@ -42,14 +50,103 @@ fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
 
 /// Keyed by (pid, start time): within one round a pid can name two processes (reuse),
 /// whose samples arrive interleaved; each keeps its own record and id.
-#[derive(Default)]
 pub struct ProcessTable {
     by_pid: HashMap<(u32, u64), Known>,
     next_id: u64,
+    /// Record bytes held (sum of `wire_bytes`).
+    bytes: usize,
+    /// /proc bytes still to be read this round.
+    read_left: usize,
+    round_budget: usize,
+    max_bytes: usize,
+}
+
+impl Default for ProcessTable {
+    fn default() -> Self {
+        Self::with_budgets(ROUND_READ_BUDGET, MAX_TABLE_BYTES)
+    }
+}
+
+/// The record read from /proc, trimmed to its bound, or a placeholder of BPF facts.
+fn read_record(
+    tgid: u32,
+    start_ns: u64,
+    comm: &[u8],
+    counters: &Counters,
+) -> (ProcessRecord, usize) {
+    match procfs::read_process(tgid, start_ns) {
+        Ok((mut r, read)) => {
+            counters
+                .processes_read
+                .set(counters.processes_read.get() + 1);
+            if r.trim_to(procfs::MAX_RECORD_BYTES) {
+                counters
+                    .process_records_trimmed
+                    .set(counters.process_records_trimmed.get() + 1);
+                tracing::warn!(
+                    pid = tgid,
+                    kept_mappings = r.mappings.len(),
+                    max_bytes = procfs::MAX_RECORD_BYTES,
+                    "process record over its byte bound; mappings past it left out"
+                );
+            }
+            (r, read)
+        }
+        Err(e) => {
+            match e {
+                ProcError::Gone { .. } | ProcError::Reused { .. } => {
+                    counters
+                        .processes_gone
+                        .set(counters.processes_gone.get() + 1);
+                    tracing::info!(
+                        pid = tgid,
+                        "process gone before /proc could be read; sent with what BPF saw"
+                    );
+                }
+                _ => {
+                    counters
+                        .process_read_errors
+                        .set(counters.process_read_errors.get() + 1);
+                    tracing::warn!(pid = tgid, error = %e, "process record unreadable");
+                }
+            }
+            (placeholder(tgid, start_ns, comm), 0)
+        }
+    }
+}
+
+/// A record of what BPF saw: pid, start time, thread comm.
+fn placeholder(tgid: u32, start_ns: u64, comm: &[u8]) -> ProcessRecord {
+    ProcessRecord {
+        pid: tgid,
+        start_ns,
+        comm: comm.split(|&b| b == 0).next().unwrap_or_default().to_vec(),
+        complete: false,
+        ..Default::default()
+    }
 }
 
 impl ProcessTable {
-    /// Identifies the process of a sample, reading /proc the first time it is seen.
+    /// A table that reads at most `round_budget` /proc bytes per round and holds at most
+    /// `max_bytes` of records.
+    pub fn with_budgets(round_budget: usize, max_bytes: usize) -> Self {
+        Self {
+            by_pid: HashMap::new(),
+            next_id: 0,
+            bytes: 0,
+            read_left: round_budget,
+            round_budget,
+            max_bytes,
+        }
+    }
+
+    /// Starts a round: the /proc read budget is full again.
+    pub fn begin_round(&mut self) {
+        self.read_left = self.round_budget;
+    }
+
+    /// Identifies the process of a sample, reading /proc the first time it is seen (or,
+    /// once the round's read budget is spent, in a later round).
     /// `comm` is the BPF-seen thread comm, used when /proc cannot be read.
     pub fn observe(
         &mut self,
@@ -62,47 +159,45 @@ impl ProcessTable {
     ) -> u64 {
         if let Some(k) = self.by_pid.get_mut(&(tgid, start_ns)) {
             k.last_seen = round;
-            if k.record.complete && round >= k.next_refresh && user.iter().any(|&a| !k.covers(a)) {
-                refresh(k, round, counters);
+            if k.deferred && self.read_left > 0 {
+                let (record, read) = read_record(tgid, start_ns, comm, counters);
+                self.read_left = self.read_left.saturating_sub(read);
+                self.bytes = self.bytes - k.record.wire_bytes() + record.wire_bytes();
+                k.ranges = ranges_of(&record);
+                k.record = Rc::new(record);
+                k.version += 1;
+                k.deferred = false;
+            } else if k.record.complete
+                && round >= k.next_refresh
+                && user.iter().any(|&a| !k.covers(a))
+            {
+                let before = k.record.wire_bytes();
+                let read = refresh(k, round, counters, self.read_left);
+                self.read_left = self.read_left.saturating_sub(read);
+                self.bytes = self.bytes - before + k.record.wire_bytes();
             }
-            return k.id;
+            let id = k.id;
+            self.shrink(counters);
+            return id;
         }
         self.next_id += 1;
         let id = self.next_id;
-        let record = match procfs::read_process(tgid, start_ns) {
-            Ok(r) => {
-                counters
-                    .processes_read
-                    .set(counters.processes_read.get() + 1);
-                r
-            }
-            Err(e) => {
-                match e {
-                    ProcError::Gone { .. } | ProcError::Reused { .. } => {
-                        counters
-                            .processes_gone
-                            .set(counters.processes_gone.get() + 1);
-                        tracing::info!(
-                            pid = tgid,
-                            "process gone before /proc could be read; sent with what BPF saw"
-                        );
-                    }
-                    _ => {
-                        counters
-                            .process_read_errors
-                            .set(counters.process_read_errors.get() + 1);
-                        tracing::warn!(pid = tgid, error = %e, "process record unreadable");
-                    }
-                }
-                ProcessRecord {
-                    pid: tgid,
-                    start_ns,
-                    comm: comm.split(|&b| b == 0).next().unwrap_or_default().to_vec(),
-                    complete: false,
-                    ..Default::default()
-                }
-            }
+        let (record, deferred) = if self.read_left > 0 {
+            let (record, read) = read_record(tgid, start_ns, comm, counters);
+            self.read_left = self.read_left.saturating_sub(read);
+            (record, false)
+        } else {
+            counters
+                .process_reads_deferred
+                .set(counters.process_reads_deferred.get() + 1);
+            tracing::warn!(
+                pid = tgid,
+                budget_bytes = self.round_budget,
+                "this round's /proc read budget is spent; process read in a later round"
+            );
+            (placeholder(tgid, start_ns, comm), true)
         };
+        self.bytes += record.wire_bytes();
         let known = Known {
             id,
             start_ns,
@@ -112,12 +207,24 @@ impl ProcessTable {
             last_seen: round,
             next_refresh: round + 1,
             backoff: 1,
+            deferred,
         };
         if self.by_pid.len() >= MAX_PROCESSES {
             self.evict_oldest(counters);
         }
         self.by_pid.insert((tgid, start_ns), known);
+        self.shrink(counters);
         id
+    }
+
+    /// Forgets the least recently seen processes while the table is over its bytes.
+    fn shrink(&mut self, counters: &Counters) {
+        while self.bytes > self.max_bytes && self.by_pid.len() > 1 {
+            self.evict_oldest(counters);
+            counters
+                .processes_evicted_bytes
+                .set(counters.processes_evicted_bytes.get() + 1);
+        }
     }
 
     pub fn get(&self, tgid: u32, start_ns: u64) -> Option<&Known> {
@@ -128,6 +235,7 @@ impl ProcessTable {
     /// Returns the ids forgotten, so subscribers can forget them too.
     pub fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
         let mut gone = Vec::new();
+        let mut freed = 0;
         self.by_pid.retain(|&(pid, _), k| {
             if round.saturating_sub(k.last_seen) < IDLE_ROUNDS {
                 return true;
@@ -137,8 +245,10 @@ impl ProcessTable {
                 return true;
             }
             gone.push(k.id);
+            freed += k.record.wire_bytes();
             false
         });
+        self.bytes -= freed;
         counters
             .processes_forgotten
             .set(counters.processes_forgotten.get() + gone.len() as u64);
@@ -147,7 +257,9 @@ impl ProcessTable {
 
     fn evict_oldest(&mut self, counters: &Counters) {
         if let Some((&key, _)) = self.by_pid.iter().min_by_key(|(_, k)| k.last_seen) {
-            self.by_pid.remove(&key);
+            if let Some(k) = self.by_pid.remove(&key) {
+                self.bytes -= k.record.wire_bytes();
+            }
             counters
                 .processes_forgotten
                 .set(counters.processes_forgotten.get() + 1);
@@ -163,20 +275,37 @@ impl ProcessTable {
     }
 }
 
-fn refresh(k: &mut Known, round: u64, counters: &Counters) {
+/// Reads the mappings of `k` again if the budget allows; returns the bytes read.
+fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usize {
+    if budget == 0 {
+        // Tried again next round, without backing off.
+        return 0;
+    }
     counters
         .mapping_refreshes
         .set(counters.mapping_refreshes.get() + 1);
+    let mut read = 0;
     match procfs::read_mappings(k.record.pid) {
-        Ok(maps) if maps != k.record.mappings => {
+        Ok((maps, n)) if maps != k.record.mappings => {
+            read = n;
             let mut rec = (*k.record).clone();
             rec.mappings = maps;
+            if rec.trim_to(procfs::MAX_RECORD_BYTES) {
+                counters
+                    .process_records_trimmed
+                    .set(counters.process_records_trimmed.get() + 1);
+            }
             k.ranges = ranges_of(&rec);
             k.record = Rc::new(rec);
             k.version += 1;
             k.backoff = 1;
         }
-        _ => k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF),
+        Ok((_, n)) => {
+            read = n;
+            k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF);
+        }
+        Err(_) => k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF),
     }
     k.next_refresh = round + k.backoff;
+    read
 }

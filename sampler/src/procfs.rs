@@ -10,10 +10,14 @@ use firn_schema::limits;
 use nix::fcntl::{openat, OFlag};
 use nix::sys::stat::{fstat, Mode};
 
-/// Bytes read of /proc/<pid>/maps; a process with more executable mappings than fit is
-/// recorded with the ones that did.
-const MAX_MAPS_BYTES: usize = 2 << 20;
+/// Bytes read of /proc/<pid>/maps at most. It is parsed as it streams in, so only the
+/// executable file mappings kept are held, never the text.
+const MAX_MAPS_BYTES: u64 = 16 << 20;
 const MAX_STAT_BYTES: usize = 2048;
+/// Bytes one process record may take on the wire (estimated by [`ProcessRecord::wire_bytes`]);
+/// mappings past it are left out. A typical process needs a few KiB, a large browser
+/// process some tens.
+pub const MAX_RECORD_BYTES: usize = 256 << 10;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProcError {
@@ -56,6 +60,65 @@ pub struct ProcessRecord {
     pub complete: bool,
 }
 
+/// Bytes a field costs on the wire beyond its text: Cap'n Proto pointer and padding.
+const FIELD_OVERHEAD: usize = 16;
+/// A mapping's fixed part: six integers and the path pointer.
+const MAPPING_FIXED: usize = 56;
+
+impl ProcessRecord {
+    /// An upper estimate of the record's size in a batch.
+    pub fn wire_bytes(&self) -> usize {
+        let text = |b: &[u8]| b.len() + FIELD_OVERHEAD;
+        96 + text(&self.comm)
+            + text(&self.exe)
+            + text(&self.cgroup)
+            + self.cmdline.iter().map(|a| text(a)).sum::<usize>()
+            + self
+                .mappings
+                .iter()
+                .map(|m| MAPPING_FIXED + text(&m.path))
+                .sum::<usize>()
+    }
+
+    /// Leaves out mappings until the record takes at most `max` bytes: repeated mappings
+    /// of one file go first (a process mapping one file thousands of times should not
+    /// crowd out its libraries), then the highest addresses. Whether anything was cut.
+    pub fn trim_to(&mut self, max: usize) -> bool {
+        let total = self.wire_bytes();
+        if total <= max {
+            return false;
+        }
+        let cost = |m: &Mapping| MAPPING_FIXED + m.path.len() + FIELD_OVERHEAD;
+        let fixed = total - self.mappings.iter().map(cost).sum::<usize>();
+        let mut seen = std::collections::HashSet::new();
+        let first: Vec<bool> = self
+            .mappings
+            .iter()
+            .map(|m| seen.insert((m.dev_major, m.dev_minor, m.inode)))
+            .collect();
+        let mut keep = vec![false; self.mappings.len()];
+        let mut used = fixed;
+        for pass_first in [true, false] {
+            for (i, m) in self.mappings.iter().enumerate() {
+                if keep[i] || first[i] != pass_first {
+                    continue;
+                }
+                if used + cost(m) > max {
+                    continue;
+                }
+                used += cost(m);
+                keep[i] = true;
+            }
+        }
+        let mut i = 0;
+        self.mappings.retain(|_| {
+            i += 1;
+            keep[i - 1]
+        });
+        true
+    }
+}
+
 /// Clock ticks per second used by /proc/<pid>/stat's start time (USER_HZ).
 fn clock_ticks() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -69,8 +132,8 @@ fn clock_ticks() -> u64 {
 
 /// Reads the record of `pid`, whose thread-group leader started at `start_ns`
 /// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
-/// names another process.
-pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError> {
+/// names another process. Also returns the bytes read from /proc.
+pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
     let dir = open_verified(pid, start_ns)?;
@@ -88,8 +151,9 @@ pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError>
         .map(|c| split_cmdline(&c))
         .unwrap_or_default();
     let cgroup = read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?;
-    let maps = read_bounded(&dir, pid, "maps", MAX_MAPS_BYTES)?;
-    Ok(ProcessRecord {
+    let (mappings, maps_read) = read_maps(&dir, pid)?;
+    let read = 2 * stat.len() + exe.len() + cgroup.len() + maps_read;
+    let record = ProcessRecord {
         pid,
         start_ns,
         ppid: parsed.ppid,
@@ -98,20 +162,18 @@ pub fn read_process(pid: u32, start_ns: u64) -> Result<ProcessRecord, ProcError>
         exe,
         cmdline,
         cgroup,
-        mappings: parse_maps(&maps),
+        mappings,
         complete: true,
-    })
+    };
+    let read = read + record.cmdline.iter().map(Vec::len).sum::<usize>();
+    Ok((record, read))
 }
 
-/// Reads only the executable mappings again (after a sample fell outside them).
-pub fn read_mappings(pid: u32) -> Result<Vec<Mapping>, ProcError> {
+/// Reads only the executable mappings again (after a sample fell outside them). Also
+/// returns the bytes read.
+pub fn read_mappings(pid: u32) -> Result<(Vec<Mapping>, usize), ProcError> {
     let dir = open_proc_dir(pid)?;
-    Ok(parse_maps(&read_bounded(
-        &dir,
-        pid,
-        "maps",
-        MAX_MAPS_BYTES,
-    )?))
+    read_maps(&dir, pid)
 }
 
 /// Whether /proc/<pid> still belongs to the process that started at `start_ns`.
@@ -222,18 +284,61 @@ fn split_cmdline(raw: &[u8]) -> Vec<Vec<u8>> {
         .collect()
 }
 
+fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Vec<Mapping>, usize), ProcError> {
+    let fd = openat(
+        dir.as_fd(),
+        "maps",
+        OFlag::O_RDONLY | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    )
+    .map_err(|e| io_err(pid, "maps", e))?;
+    let reader = std::io::BufReader::with_capacity(64 << 10, File::from(fd).take(MAX_MAPS_BYTES));
+    parse_maps_from(reader).map_err(|e| match e.raw_os_error() {
+        Some(libc::ESRCH) => ProcError::Gone { pid },
+        _ => ProcError::Io {
+            pid,
+            file: "maps",
+            source: e,
+        },
+    })
+}
+
 /// Keeps file-backed executable mappings: `start-end perms offset maj:min inode  path`.
 pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
+    parse_maps_from(maps).map_or_else(|_| Vec::new(), |(m, _)| m)
+}
+
+/// [`parse_maps`] on a stream; also returns the bytes read. Once the mappings kept
+/// would fill a record, further mappings of a file already kept are skipped (a process
+/// mapping one file thousands of times must not crowd out the libraries after them), and
+/// at twice that nothing more is kept. [`ProcessRecord::trim_to`] makes the final cut.
+pub fn parse_maps_from(mut r: impl std::io::BufRead) -> std::io::Result<(Vec<Mapping>, usize)> {
     let mut out = Vec::new();
-    for line in maps.split(|&b| b == b'\n') {
-        if out.len() >= limits::MAX_MAPPINGS as usize {
+    let mut seen = std::collections::HashSet::new();
+    let (mut read, mut kept) = (0usize, 0usize);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = r.read_until(b'\n', &mut line)?;
+        if n == 0 {
             break;
         }
-        if let Some(m) = parse_maps_line(line) {
-            out.push(m);
+        read += n;
+        if out.len() >= limits::MAX_MAPPINGS as usize || kept > 2 * MAX_RECORD_BYTES {
+            continue;
         }
+        let text = line.strip_suffix(b"\n").unwrap_or(&line);
+        let Some(m) = parse_maps_line(text) else {
+            continue;
+        };
+        let first = seen.insert((m.dev_major, m.dev_minor, m.inode));
+        if !first && kept > MAX_RECORD_BYTES {
+            continue;
+        }
+        kept += MAPPING_FIXED + FIELD_OVERHEAD + m.path.len();
+        out.push(m);
     }
-    out
+    Ok((out, read))
 }
 
 fn parse_maps_line(line: &[u8]) -> Option<Mapping> {
@@ -299,11 +404,50 @@ mod tests {
     }
 
     #[test]
+    fn records_are_trimmed_to_their_bound() {
+        let mapping = |i: u64| Mapping {
+            start: i << 12,
+            end: (i + 1) << 12,
+            offset: 0,
+            dev_major: 8,
+            dev_minor: 1,
+            inode: i + 1,
+            path: vec![b'x'; 4000],
+        };
+        let mut r = ProcessRecord {
+            mappings: (0..4096).map(mapping).collect(),
+            ..Default::default()
+        };
+        assert!(r.wire_bytes() > 15 << 20);
+        assert!(r.trim_to(MAX_RECORD_BYTES));
+        assert!(r.wire_bytes() <= MAX_RECORD_BYTES);
+        assert!(r.mappings.len() > 50);
+        // The first mappings (lowest addresses) are the ones kept.
+        assert_eq!(r.mappings[0].inode, 1);
+        assert!(!r.trim_to(MAX_RECORD_BYTES));
+        // One file mapped thousands of times does not crowd out the libraries after it.
+        let mut r = ProcessRecord {
+            mappings: (0..4096)
+                .map(|i| Mapping {
+                    inode: if i < 4000 { 7 } else { i },
+                    path: vec![b'x'; 1000],
+                    ..mapping(i)
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert!(r.trim_to(MAX_RECORD_BYTES));
+        assert!(r.wire_bytes() <= MAX_RECORD_BYTES);
+        assert_eq!(r.mappings.iter().filter(|m| m.inode != 7).count(), 96);
+    }
+
+    #[test]
     fn reads_own_record() {
         let me = std::process::id();
         let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
         let ticks = parse_stat(&stat).unwrap().start_ticks;
-        let rec = read_process(me, ticks * (1_000_000_000 / clock_ticks())).unwrap();
+        let (rec, read) = read_process(me, ticks * (1_000_000_000 / clock_ticks())).unwrap();
+        assert!(read > 0);
         assert!(rec.complete);
         assert!(!rec.mappings.is_empty());
         assert!(matches!(

@@ -259,7 +259,19 @@ impl Drop for Proc {
 
 /// Starts the sampler on `socket` with extra flags; waits until it has confined itself.
 pub fn start_sampler(binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
-    let mut cmd = Command::new(binary);
+    start_sampler_under(&[], binary, socket, extra)
+}
+
+/// [`start_sampler`] under a wrapper command (e.g. `strace -f -o FILE`).
+pub fn start_sampler_under(wrapper: &[&str], binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
+    let mut cmd = match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(binary);
+            c
+        }
+        None => Command::new(binary),
+    };
     cmd.arg("--socket")
         .arg(socket)
         .args(extra)
@@ -431,6 +443,11 @@ fn http_port() -> u16 {
 
 impl Firn {
     pub fn start(tag: &str, sampler_args: &[&str]) -> Firn {
+        Self::start_under(tag, &[], sampler_args)
+    }
+
+    /// [`Firn::start`] with the sampler under a wrapper command (see [`start_sampler_under`]).
+    pub fn start_under(tag: &str, wrapper: &[&str], sampler_args: &[&str]) -> Firn {
         let dir = TempDir::new(tag);
         let user = test_user("firn-test");
         let socket = dir.path().join("s.sock");
@@ -450,7 +467,7 @@ impl Firn {
             user.1.to_string(),
         ]);
         let a: Vec<&str> = args.iter().map(String::as_str).collect();
-        let sampler = start_sampler(&bin("firn-sampler"), &socket, &a);
+        let sampler = start_sampler_under(wrapper, &bin("firn-sampler"), &socket, &a);
         let mut f = Firn {
             dir,
             sampler,

@@ -278,6 +278,9 @@ fn forbidden_syscalls_are_refused() {
     let sock = dir.path().join("s.sock");
     let target = std::path::Path::new("/tmp/firn-forbidden-probe");
     let _ = std::fs::remove_file(target);
+    // A root-owned file the probe tries to unlink through every fd it may hold.
+    let victim = std::path::Path::new("/tmp/firn-forbidden-probe-victim");
+    std::fs::write(victim, b"keep").unwrap();
     let mut sampler = start_sampler(&probe, &sock, &["--round", "1"]);
     let expected = [
         "execve",
@@ -288,6 +291,7 @@ fn forbidden_syscalls_are_refused() {
         "bpf_map_create",
         "perf_event_open",
         "openat_write",
+        "unlinkat_absolute",
     ];
     std::thread::sleep(SECS);
     let lines = sampler.lines();
@@ -305,6 +309,8 @@ fn forbidden_syscalls_are_refused() {
         );
     }
     assert!(!target.exists(), "the probe created a file");
+    assert!(victim.exists(), "the probe unlinked a root-owned file");
+    let _ = std::fs::remove_file(victim);
     // Still alive and serving after the attempts.
     let dump = start_dump(&sock, None, &[]);
     assert!(!wait_batches(&dump, 1, 10 * SECS).is_empty());

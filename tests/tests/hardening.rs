@@ -1,0 +1,418 @@
+//! End-to-end tests of the sampler's hardening (issue: privileged-side hardening): each
+//! finding of the security review, attacked or measured against the real binaries.
+
+use std::collections::BTreeSet;
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
+
+fn in_mount_ns(script: &str) -> Proc {
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c", script]);
+    Proc::spawn("ns", cmd)
+}
+
+fn traces(files: &[std::path::PathBuf]) -> Vec<(u64, Vec<String>)> {
+    assert!(!files.is_empty(), "no profiles");
+    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
+}
+
+/// The pid of the sampler under a wrapper (strace's only child).
+fn child_of(pid: u32) -> u32 {
+    let mut found = 0;
+    wait_until(10 * SECS, || {
+        found = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+            .ok()
+            .and_then(|c| c.split_whitespace().next().and_then(|p| p.parse().ok()))
+            .unwrap_or(0);
+        found != 0
+    });
+    assert_ne!(found, 0, "no child of {pid}");
+    found
+}
+
+/// A mapped path that now leads to a device, a FIFO, a socket or a directory (a mount
+/// in the process's own namespace covers it): the broker refuses each without opening
+/// it. inotify on the special files sees any open, the way a device driver would.
+#[test]
+fn special_files_behind_a_mapping_are_never_opened() {
+    if !can_run_bpf() {
+        return;
+    }
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    let mut f = Firn::start("special", FAST);
+    f.enricher.take().map(|mut e| e.stop());
+    let busy = workload("busy");
+    let t = f.dir.path().join("t");
+    let kinds = ["dev", "fifo", "sock", "dir"];
+    for k in kinds {
+        std::fs::create_dir_all(t.join(format!("d-{k}"))).unwrap();
+        std::fs::create_dir_all(t.join(format!("cover-{k}"))).unwrap();
+        std::fs::copy(&busy, t.join(format!("d-{k}/ns-busy"))).unwrap();
+    }
+    let special = |k: &str| t.join(format!("cover-{k}/ns-busy"));
+    nix::sys::stat::mknod(
+        &special("dev"),
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        libc::makedev(1, 3),
+    )
+    .expect("mknod (root)");
+    nix::unistd::mkfifo(
+        &special("fifo"),
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+    )
+    .unwrap();
+    let _sock = std::os::unix::net::UnixListener::bind(special("sock")).unwrap();
+    std::fs::create_dir(special("dir")).unwrap();
+    let inotify = Inotify::init(InitFlags::IN_NONBLOCK).unwrap();
+    for k in ["dev", "fifo", "dir"] {
+        inotify
+            .add_watch(&special(k), AddWatchFlags::IN_OPEN)
+            .unwrap();
+    }
+    let t = t.display();
+    let start: String = kinds
+        .iter()
+        .map(|k| format!("({t}/d-{k}/ns-busy 12 &) && "))
+        .collect();
+    let cover: String = kinds
+        .iter()
+        .map(|k| format!("mount --bind {t}/cover-{k} {t}/d-{k} && "))
+        .collect();
+    // The processes map their binaries and are sampled (and their maps recorded), then
+    // the mounts cover the paths; the enricher starts after, so its broker requests meet
+    // the covers.
+    let mut ns = in_mount_ns(&format!(
+        "{start}sleep 3 && {cover}echo rearranged && sleep 9"
+    ));
+    ns.wait_for("rearranged", 30 * SECS)
+        .expect("namespace rearranged");
+    f.start_enricher(&[]);
+    ns.wait_exit(30 * SECS).unwrap();
+    let refused = || {
+        f.metric("firn_sampler_broker_refused_not_regular")
+            .unwrap_or(0.0)
+    };
+    wait_until(10 * SECS, || refused() >= 4.0);
+    assert!(
+        refused() >= 4.0,
+        "expected four refusals as not a regular file, got {}",
+        refused()
+    );
+    let events = inotify.read_events().unwrap_or_default();
+    assert!(
+        events.is_empty(),
+        "the sampler opened a special file: {events:?}"
+    );
+}
+
+/// A process mapping one file thousands of times, at a path near PATH_MAX, would make a
+/// record of megabytes: it is cut to the per-record bound, libraries kept, and counted.
+#[test]
+fn fat_process_records_are_trimmed() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("fat");
+    let sock = dir.path().join("s.sock");
+    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, FAST);
+    let dump = start_dump(&sock, None, &[]);
+    let script = r#"
+import mmap, os, sys, time
+d = sys.argv[1]
+for i in range(17):
+    d = os.path.join(d, "%02d" % i + "x" * 200)
+os.makedirs(d)
+p = os.path.join(d, "lib.so")
+with open(p, "wb") as f:
+    f.write(b"\0" * 4096)
+fd = os.open(p, os.O_RDONLY)
+keep = [mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
+        for _ in range(3000)]
+print("ready", os.getpid(), flush=True)
+t = time.time()
+x = 0
+while time.time() - t < float(sys.argv[2]):
+    x += 1
+"#;
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.arg("-c")
+        .arg(script)
+        .arg(dir.path().join("long"))
+        .arg("5");
+    let mut w = Proc::spawn("fat", cmd);
+    let pid: u64 = w
+        .wait_for("ready", 20 * SECS)
+        .expect("fat workload started")
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    w.wait_exit(20 * SECS);
+    std::thread::sleep(2 * SECS);
+    let got = batches(&dump);
+    let record = got
+        .iter()
+        .flat_map(|b| b["processes"].as_array().cloned().unwrap_or_default())
+        .find(|p| p["pid"].as_u64() == Some(pid))
+        .expect("a record of the fat process");
+    let maps = record["mappings"].as_array().unwrap();
+    let bytes: usize = maps
+        .iter()
+        .map(|m| 72 + m["path"].as_str().unwrap_or("").len())
+        .sum();
+    assert!(
+        bytes <= firn_sampler::procfs::MAX_RECORD_BYTES,
+        "record of {} mappings, {bytes} bytes",
+        maps.len()
+    );
+    // Its libraries (one mapping each) survived the cut of the repeated file.
+    assert!(
+        maps.iter()
+            .any(|m| m["path"].as_str().unwrap_or("").contains("libc.so")),
+        "libc was cut from the record"
+    );
+    let last = got.last().unwrap();
+    assert!(counter(last, "process_records_trimmed").unwrap_or(0) >= 1);
+    sampler.stop();
+}
+
+/// A peer whose allowed group is a supplementary one is let in (SO_PEERGROUPS).
+#[test]
+fn supplementary_groups_are_checked() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("groups");
+    let sock = dir.path().join("s.sock");
+    let (_, allowed_gid) = test_user("firn-test");
+    let (uid, gid) = test_user("firn-test-denied");
+    let mut sampler = start_sampler(
+        &bin("firn-sampler"),
+        &sock,
+        &["--round", "1", "--allow-gid", &allowed_gid.to_string()],
+    );
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let client = |groups: &str| {
+        let mut c = Command::new("setpriv");
+        c.arg(format!("--reuid={uid}"))
+            .arg(format!("--regid={gid}"))
+            .arg(groups)
+            .arg("--inh-caps=-all")
+            .arg(bin("firn-enricher"))
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--dump");
+        Proc::spawn("enricher", c)
+    };
+    let mut member = client(&format!("--groups={allowed_gid}"));
+    let got = wait_batches(&member, 2, 10 * SECS);
+    assert!(
+        got.len() >= 2,
+        "a peer with the allowed group as a supplementary group got no batches"
+    );
+    member.stop();
+    let mut stranger = client("--clear-groups");
+    assert!(
+        sampler.wait_for("peer not allowed", 10 * SECS).is_some(),
+        "a peer without the group was not refused"
+    );
+    stranger.stop();
+    assert!(batches(&stranger).is_empty());
+    sampler.stop();
+}
+
+/// The socket is born with mode 0660 and its group: no chmod or chown by path after
+/// `bind` (a compromised enricher with write access to the directory could swap a
+/// symlink in), and nothing that follows links.
+#[test]
+fn socket_is_born_with_mode_and_group() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("sockmode");
+    let sock = dir.path().join("s.sock");
+    let trace = dir.path().join("trace");
+    let (_, gid) = test_user("firn-test");
+    let t = trace.display().to_string();
+    let mut sampler = start_sampler_under(
+        &[
+            "strace",
+            "-f",
+            "-qq",
+            "-o",
+            &t,
+            "-e",
+            "trace=%file,fchmod,fchown",
+        ],
+        &bin("firn-sampler"),
+        &sock,
+        &["--round", "1", "--socket-group", &gid.to_string()],
+    );
+    let meta = std::fs::symlink_metadata(&sock).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o660, "socket mode");
+    assert_eq!(meta.gid(), gid, "socket group");
+    assert_eq!(meta.uid(), 0, "socket owner");
+    let inner = child_of(sampler.pid());
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(inner as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    sampler.wait_exit(10 * SECS);
+    let calls = std::fs::read_to_string(&trace).unwrap();
+    for line in calls.lines() {
+        let following = ["chmod(", "fchmodat(", "fchmodat2(", "chown("]
+            .iter()
+            .any(|c| line.contains(&format!(" {c}")))
+            || (line.contains(" fchownat(") && !line.contains("AT_SYMLINK_NOFOLLOW"));
+        assert!(!following, "a path-following mode or owner change: {line}");
+    }
+}
+
+/// Every syscall a busy sampler makes after confinement is on the allow-list, and every
+/// entry of the list is used (or documented as a rare path in drop.rs).
+#[test]
+fn allowed_syscalls_are_used() {
+    if !can_run_bpf() {
+        return;
+    }
+    let dir = TempDir::new("strace");
+    let trace = dir.path().join("trace");
+    let t = trace.display().to_string();
+    let mut f = Firn::start_under("syscalls", &["strace", "-f", "-qq", "-o", &t], FAST);
+    let busy = workload("busy");
+    let churn = workload("churn");
+    let mut b = start_workload(&busy, &["5"]);
+    let pid = b.pid();
+    // New processes every round (/proc reads, exits) beside the busy one.
+    let mut c = Proc::spawn(
+        "churn",
+        {
+            let mut c = Command::new(&churn);
+            c.args(["4", "50", "-"]);
+            c
+        },
+    );
+    b.wait_exit(30 * SECS);
+    c.wait_exit(30 * SECS);
+    let tr = traces(&f.wait_profiles(pid, 2, 15 * SECS));
+    assert!(
+        tr.iter().any(|t| t.1.iter().any(|f| f == "hot_leaf")),
+        "no symbolized stack: the broker did not serve"
+    );
+    let inner = child_of(f.sampler.pid());
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(inner as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    f.sampler.wait_exit(15 * SECS);
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| l.contains("seccomp(SECCOMP_SET_MODE_FILTER"))
+        .expect("the seccomp filter was installed");
+    let mut used = BTreeSet::new();
+    let mut refused = Vec::new();
+    for l in &lines[start + 1..] {
+        let rest = l.split_once(' ').map_or("", |(_, r)| r).trim_start();
+        let name = match rest.strip_prefix("<... ") {
+            Some(r) => r.split_whitespace().next().unwrap_or(""),
+            None => rest.split('(').next().unwrap_or(""),
+        };
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+            continue;
+        }
+        used.insert(name.to_string());
+        if l.contains("= -1 EPERM") {
+            refused.push(l.to_string());
+        }
+    }
+    assert!(refused.is_empty(), "refused by the filter: {refused:#?}");
+    let allowed: BTreeSet<String> = firn_sampler::drop::ALLOWED
+        .iter()
+        .map(|a| a.syscall().to_string())
+        .collect();
+    let outside: Vec<_> = used.difference(&allowed).collect();
+    assert!(outside.is_empty(), "used but not allowed: {outside:?}");
+    let rare: BTreeSet<String> = firn_sampler::drop::RARE
+        .iter()
+        .map(|r| r.0.to_string())
+        .collect();
+    let unused: Vec<_> = allowed
+        .difference(&used)
+        .filter(|n| !rare.contains(*n))
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "allowed but never used (remove, or document as rare): {unused:?}; used: {used:?}"
+    );
+    eprintln!(
+        "{} allowed, {} used after confinement: {used:?}",
+        allowed.len(),
+        used.len()
+    );
+}
+
+/// With `--user`, the sampler runs as that uid after setup, keeps only CAP_SYS_PTRACE,
+/// still reads /proc and brokers binaries of other users' processes, and can no longer
+/// read root-only files.
+#[test]
+fn runs_as_a_dedicated_user() {
+    if !can_run_bpf() {
+        return;
+    }
+    let (uid, gid) = test_user("firn-sampler-t");
+    let mut args = FAST.to_vec();
+    args.extend(["--user", "firn-sampler-t"]);
+    let f = Firn::start("runas", &args);
+    for field in ["Uid", "Gid"] {
+        let want = if field == "Uid" { uid } else { gid };
+        let v = status_field(f.sampler.pid(), field).unwrap();
+        assert!(
+            v.split_whitespace().all(|x| x == want.to_string()),
+            "{field}: {v}"
+        );
+    }
+    assert_eq!(
+        status_field(f.sampler.pid(), "Groups").unwrap_or_default(),
+        ""
+    );
+    assert_eq!(
+        status_field(f.sampler.pid(), "CapEff").unwrap(),
+        "0000000000080000"
+    );
+    assert_eq!(status_field(f.sampler.pid(), "Seccomp").unwrap(), "2");
+    // A binary in a directory every user may read, run by root: sampled, recorded and
+    // symbolized through the broker.
+    let copy = f.dir.path().join("busy-runas");
+    std::fs::copy(workload("busy"), &copy).unwrap();
+    let mut w = start_workload(&copy, &["4"]);
+    let pid = w.pid();
+    w.wait_exit(20 * SECS);
+    let tr = traces(&f.wait_profiles(pid, 2, 15 * SECS));
+    assert!(
+        tr.iter()
+            .any(|t| t.1.first().is_some_and(|f| f == "hot_leaf")),
+        "not symbolized under --user:\n{tr:#?}"
+    );
+    // Root-only files: readable by a uid-0 sampler, not by one that switched.
+    let probe = bin("firn-sampler-probe");
+    let dir = TempDir::new("runas-probe");
+    let sock = dir.path().join("s.sock");
+    let mut p = start_sampler(&probe, &sock, &["--user", "firn-sampler-t"]);
+    let line = p
+        .wait_for("syscall=\"open_root_only\"", 10 * SECS)
+        .expect("probe result");
+    assert!(line.contains("outcome=EACCES"), "{line}");
+    p.stop();
+    assert!(Path::new("/etc/shadow").exists());
+}
