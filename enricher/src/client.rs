@@ -142,17 +142,9 @@ async fn session(
     let other = |e: capnp::Error| SessionEnd::Other(e.to_string());
     let mut req = client.info_request();
     req.get().set_protocol_version(version);
-    let reply = match req.send().promise.await {
-        Ok(r) => r,
-        Err(e) if e.to_string().contains("protocol version mismatch") => {
-            return Err(SessionEnd::Fatal(ClientError::Version {
-                ours: version,
-                detail: e.extra.trim_start_matches("remote exception: ").to_string(),
-            }))
-        }
-        Err(e) => return Err(other(e)),
-    };
+    let reply = req.send().promise.await.map_err(other)?;
     let info = reply.get().and_then(|r| r.get_info()).map_err(other)?;
+    // The typed answer to another version: the sampler's own version, then it closes.
     if info.get_protocol_version() != version {
         return Err(SessionEnd::Fatal(ClientError::Version {
             ours: version,

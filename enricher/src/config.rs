@@ -123,7 +123,7 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
 pub fn labeling(file: &FileConfig) -> Result<Labeling, relabel::RelabelError> {
     let rules = match &file.relabel_configs {
         Some(r) => relabel::compile(r)?,
-        None => relabel::compile(&crate::labels::default_rules())?,
+        None => relabel::compile(&crate::labels::default_rules()?)?,
     };
     Ok(Labeling {
         rules,

@@ -8,7 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
@@ -101,11 +101,7 @@ impl Shared {
     }
 }
 
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
+use firn_schema::now_ns;
 
 pub fn router(state: Arc<Shared>) -> Router {
     Router::new()

@@ -28,7 +28,7 @@ fn shared() -> Rc<Shared> {
         },
         connections: Cell::new(1),
         max_connections: 4,
-        write_stall_limit: server::WRITE_STALL_LIMIT,
+        write_stall_limit: std::time::Duration::from_secs(10),
     })
 }
 

@@ -58,9 +58,49 @@ pub fn init(spec: &str) -> Result<(), LogError> {
     Ok(())
 }
 
-struct Bucket {
+/// A token bucket: `rate` tokens a second up to `burst`; each allowed event takes one.
+/// The one rate limiter of firn: log lines per call site here, and the sampler's call
+/// and broker budgets.
+#[derive(Debug, Clone)]
+pub struct TokenBucket {
     tokens: f64,
+    rate: f64,
+    burst: f64,
     last: Instant,
+}
+
+impl TokenBucket {
+    /// Starts full.
+    pub fn new(rate: f64, burst: f64) -> Self {
+        Self::new_at(rate, burst, Instant::now())
+    }
+
+    fn new_at(rate: f64, burst: f64, now: Instant) -> Self {
+        Self {
+            tokens: burst,
+            rate,
+            burst,
+            last: now,
+        }
+    }
+
+    /// Whether an event may happen now.
+    pub fn allow(&mut self) -> bool {
+        self.allow_at(Instant::now())
+    }
+
+    /// Whether an event may happen at `now` (not before the last call's `now`).
+    pub fn allow_at(&mut self, now: Instant) -> bool {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + dt * self.rate).min(self.burst);
+        self.last = now;
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// A token bucket per call site. Call sites are static and few (one per `warn!` etc. in
@@ -68,7 +108,7 @@ struct Bucket {
 pub struct RateLimit {
     burst: f64,
     per_sec: f64,
-    sites: Mutex<HashMap<Identifier, Bucket>>,
+    sites: Mutex<HashMap<Identifier, TokenBucket>>,
 }
 
 impl RateLimit {
@@ -85,20 +125,14 @@ impl RateLimit {
         let Ok(mut sites) = self.sites.lock() else {
             return true;
         };
-        let b = sites.entry(site).or_insert(Bucket {
-            tokens: self.burst,
-            last: now,
-        });
-        let dt = now.saturating_duration_since(b.last).as_secs_f64();
-        b.tokens = (b.tokens + dt * self.per_sec).min(self.burst);
-        b.last = now;
-        if b.tokens >= 1.0 {
-            b.tokens -= 1.0;
-            true
-        } else {
+        let allowed = sites
+            .entry(site)
+            .or_insert_with(|| TokenBucket::new_at(self.per_sec, self.burst, now))
+            .allow_at(now);
+        if !allowed {
             SUPPRESSED.fetch_add(1, Ordering::Relaxed);
-            false
         }
+        allowed
     }
 }
 
@@ -131,6 +165,20 @@ mod tests {
     }
     static A: Site = Site(1);
     static B: Site = Site(2);
+
+    #[test]
+    fn bucket_refills_at_its_rate_up_to_its_burst() {
+        let t0 = Instant::now();
+        let mut b = TokenBucket::new_at(10.0, 2.0, t0);
+        assert!(b.allow_at(t0) && b.allow_at(t0));
+        assert!(!b.allow_at(t0));
+        assert!(b.allow_at(t0 + Duration::from_millis(100)));
+        assert!(!b.allow_at(t0 + Duration::from_millis(100)));
+        // Idle for long: no more than the burst.
+        let later = t0 + Duration::from_secs(60);
+        assert!(b.allow_at(later) && b.allow_at(later));
+        assert!(!b.allow_at(later));
+    }
 
     #[test]
     fn burst_then_refill_per_site() {

@@ -1,7 +1,8 @@
 //! firn's BPF sampling program, compiled by clang at build time, as a libbpf-rs skeleton.
 //!
 //! The C side lives in `src/bpf/`; `profile.bpf.h` defines the key and counter layout
-//! that the sampler reads back.
+//! that the sampler reads back, and the skeleton generates their Rust types from the
+//! program's BTF (`types::firn_sample_key`, `types::firn_counter`): one definition.
 
 #[allow(clippy::all, clippy::pedantic, missing_docs, non_camel_case_types)]
 mod skel {
@@ -10,17 +11,8 @@ mod skel {
 
 pub use skel::*;
 
-/// Per-CPU counter slots, mirroring `enum firn_counter` in `profile.bpf.h`.
-pub mod counter {
-    pub const SAMPLES: u32 = 0;
-    pub const IDLE: u32 = 1;
-    pub const USER_STACK_FULL: u32 = 2;
-    pub const KERN_STACK_FULL: u32 = 3;
-    pub const USER_STACK_ERR: u32 = 4;
-    pub const KERN_STACK_ERR: u32 = 5;
-    pub const COUNTS_FULL: u32 = 6;
-    pub const COUNT: u32 = 7;
-}
+// The key (`types::firn_sample_key`) and the per-CPU counter slots
+// (`types::firn_counter`) are generated from `profile.bpf.h` through the program's BTF.
 
 /// Deepest stack the program records (`PERF_MAX_STACK_DEPTH`).
 pub const MAX_STACK_DEPTH: usize = 127;

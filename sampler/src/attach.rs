@@ -39,6 +39,35 @@ pub struct Sampling {
     cpus: Vec<u32>,
 }
 
+impl crate::rounds::MapSets for Sampling {
+    fn activate(&mut self, set: u32) {
+        if let Some(bss) = self.skel.maps.bss_data.as_deref_mut() {
+            // SAFETY: the .bss map is mmapped for the skeleton's lifetime; the program
+            // reads the field with a plain load, so a volatile store is all it takes.
+            unsafe { std::ptr::write_volatile(&mut bss.active_set, set) };
+        }
+    }
+
+    fn drain(&mut self, set: u32) -> Result<crate::drain::Drained, crate::drain::DrainError> {
+        use std::os::fd::AsFd;
+        let maps = &self.skel.maps;
+        let (counts, stacks) = if set == 0 {
+            (maps.counts_0.as_fd(), maps.stacks_0.as_fd())
+        } else {
+            (maps.counts_1.as_fd(), maps.stacks_1.as_fd())
+        };
+        crate::drain::drain(counts, stacks)
+    }
+
+    fn counter(&self, slot: firn_sampler_bpf::types::firn_counter) -> Option<u64> {
+        crate::drain::percpu_sum(&self.skel.maps.counters, slot.0)
+    }
+
+    fn cpus(&self) -> &[u32] {
+        &self.cpus
+    }
+}
+
 impl Sampling {
     pub fn links(&self) -> usize {
         self.links.len()

@@ -176,48 +176,9 @@ pub fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Ref
     }
 }
 
-/// Token bucket: `rate` per second sustained, `burst` at once.
-pub struct RateLimit {
-    tokens: f64,
-    rate: f64,
-    burst: f64,
-    last: std::time::Instant,
-}
-
 /// Broker opens per subscriber: sustained per second, and burst.
 pub const BROKER_RATE: f64 = 200.0;
 pub const BROKER_BURST: f64 = 2_000.0;
-
-impl Default for RateLimit {
-    /// The broker's limit.
-    fn default() -> Self {
-        Self::new(BROKER_RATE, BROKER_BURST)
-    }
-}
-
-impl RateLimit {
-    pub fn new(rate: f64, burst: f64) -> Self {
-        Self {
-            tokens: burst,
-            rate,
-            burst,
-            last: std::time::Instant::now(),
-        }
-    }
-
-    pub fn allow(&mut self) -> bool {
-        let now = std::time::Instant::now();
-        self.tokens =
-            (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.burst);
-        self.last = now;
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
-            true
-        } else {
-            false
-        }
-    }
-}
 
 #[cfg(test)]
 mod tests {
@@ -249,8 +210,14 @@ mod tests {
         let r = root_of(&root);
         let real = std::fs::metadata(root.join("lib/real.so")).unwrap();
         use std::os::unix::fs::MetadataExt;
-        assert_eq!(ino(&resolve_in_root(&r, b"/lib/real.so").unwrap()), real.ino());
-        assert_eq!(ino(&resolve_in_root(&r, b"/lib/abs.so").unwrap()), real.ino());
+        assert_eq!(
+            ino(&resolve_in_root(&r, b"/lib/real.so").unwrap()),
+            real.ino()
+        );
+        assert_eq!(
+            ino(&resolve_in_root(&r, b"/lib/abs.so").unwrap()),
+            real.ino()
+        );
         assert_eq!(
             ino(&resolve_in_root(&r, b"/lib/sub/up.so").unwrap()),
             real.ino()

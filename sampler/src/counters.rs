@@ -2,6 +2,16 @@
 
 use std::cell::Cell;
 
+/// Counts one more.
+pub fn bump(c: &Cell<u64>) {
+    add(c, 1);
+}
+
+/// Counts `n` more (saturating: a counter never wraps).
+pub fn add(c: &Cell<u64>, n: u64) {
+    c.set(c.get().saturating_add(n));
+}
+
 macro_rules! counters {
     ($($name:ident: $doc:literal,)*) => {
         /// Cumulative since start. The sampler is single-threaded after setup, so plain
@@ -71,7 +81,6 @@ counters! {
     broker_refused_open: "broker requests whose open failed",
     broker_refused_rate: "broker requests over the rate limit",
     broker_refused_channel: "broker requests with no or a full broker channel",
-    broker_refused_unsupported: "broker requests for paths the broker does not resolve",
     broker_channels: "broker channels attached",
     broker_channels_refused: "broker channels with an unknown or reused key (closed)",
     handshake_timeouts: "connections that sent nothing in time (closed)",

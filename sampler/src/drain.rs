@@ -16,8 +16,12 @@ use libbpf_rs::libbpf_sys;
 /// Far longer than any run of the program (interrupt context, microseconds).
 pub const GRACE: Duration = Duration::from_millis(20);
 
-/// Byte layout of `struct firn_sample_key`.
-pub const KEY_SIZE: usize = 40;
+/// `struct firn_sample_key` of `profile.bpf.h`, as the skeleton generates it.
+type Key = firn_sampler_bpf::types::firn_sample_key;
+/// Bytes of a counts map key.
+pub const KEY_SIZE: usize = std::mem::size_of::<Key>();
+// The comm is the key's last field and COMM_LEN bytes long.
+const _: () = assert!(std::mem::offset_of!(Key, comm) + COMM_LEN == KEY_SIZE);
 const BATCH: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +30,8 @@ pub enum DrainError {
     Counts(std::io::Error),
     #[error("the BPF key is {got} bytes, the sampler expects {KEY_SIZE}")]
     KeySize { got: u32 },
+    #[error("the BPF stack map holds {got}-byte stacks, the sampler expects {}", MAX_STACK_DEPTH * 8)]
+    StackSize { got: u32 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -57,32 +63,40 @@ pub struct Drained {
 }
 
 fn parse_key(k: &[u8]) -> Option<RawSample> {
-    let u32_at = |o: usize| {
-        k.get(o..o + 4)
-            .and_then(|b| b.try_into().ok())
-            .map(u32::from_ne_bytes)
-    };
-    let i32_at = |o: usize| {
-        k.get(o..o + 4)
-            .and_then(|b| b.try_into().ok())
-            .map(i32::from_ne_bytes)
-    };
+    if k.len() < KEY_SIZE {
+        return None;
+    }
+    // SAFETY: `k` holds at least size_of::<Key>() bytes, read unaligned; Key is plain
+    // integers and bytes (generated from the program's BTF), valid for any bit pattern.
+    let key: Key = unsafe { std::ptr::read_unaligned(k.as_ptr().cast()) };
     let stack = |v: i32| {
         if v >= 0 {
-            StackRef::Id(v as u32)
+            StackRef::Id(v.unsigned_abs())
         } else {
             StackRef::Err(v)
         }
     };
     Some(RawSample {
-        tgid: u32_at(0)?,
-        tid: u32_at(4)?,
-        start_ns: u64::from_ne_bytes(k.get(8..16)?.try_into().ok()?),
-        user: stack(i32_at(16)?),
-        kernel: stack(i32_at(20)?),
-        comm: k.get(24..24 + COMM_LEN)?.try_into().ok()?,
+        tgid: key.tgid,
+        tid: key.tid,
+        start_ns: key.start_ns,
+        user: stack(key.user_stack_id),
+        kernel: stack(key.kern_stack_id),
+        comm: key.comm.map(|c| c as u8),
         count: 0,
     })
+}
+
+/// Checks the loaded maps against the layout this build reads: the counts map's key
+/// size and the stack map's value size.
+pub fn check_layout(key_size: u32, stack_value_size: u32) -> Result<(), DrainError> {
+    check_key_size(key_size)?;
+    if stack_value_size as usize != MAX_STACK_DEPTH * 8 {
+        return Err(DrainError::StackSize {
+            got: stack_value_size,
+        });
+    }
+    Ok(())
 }
 
 pub fn check_key_size(got: u32) -> Result<(), DrainError> {
@@ -204,4 +218,35 @@ pub fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
 /// Borrowed fd of a map, for the raw calls above.
 pub fn fd_of(map: &dyn libbpf_rs::MapCore) -> BorrowedFd<'_> {
     map.as_fd()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_parse_with_the_generated_layout() {
+        let mut comm = [0i8; COMM_LEN];
+        for (c, b) in comm.iter_mut().zip(b"worker") {
+            *c = *b as i8;
+        }
+        let key = Key {
+            tgid: 41,
+            tid: 42,
+            start_ns: 7_000_000_001,
+            user_stack_id: 3,
+            kern_stack_id: -libc::EFAULT,
+            comm,
+        };
+        let mut bytes = [0u8; KEY_SIZE];
+        // SAFETY: `bytes` is exactly one Key long; copying a POD value into it.
+        unsafe { std::ptr::write_unaligned(bytes.as_mut_ptr().cast(), key) };
+        let s = parse_key(&bytes).expect("a whole key");
+        assert_eq!((s.tgid, s.tid, s.start_ns), (41, 42, 7_000_000_001));
+        assert_eq!(s.user, StackRef::Id(3));
+        assert_eq!(s.kernel, StackRef::Err(-libc::EFAULT));
+        assert_eq!(&s.comm[..6], b"worker");
+        assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());
+        assert_eq!(KEY_SIZE, 40);
+    }
 }

@@ -50,10 +50,12 @@ pub enum DropError {
 /// entry and then keeps gid = uid).
 pub fn resolve_user(user: &str) -> Result<(u32, u32), DropError> {
     if let Ok(uid) = user.parse::<u32>() {
-        return Ok(match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
-            Ok(Some(u)) => (uid, u.gid.as_raw()),
-            _ => (uid, uid),
-        });
+        return Ok(
+            match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
+                Ok(Some(u)) => (uid, u.gid.as_raw()),
+                _ => (uid, uid),
+            },
+        );
     }
     match nix::unistd::User::from_name(user) {
         Ok(Some(u)) => Ok((u.uid.as_raw(), u.gid.as_raw())),
@@ -209,20 +211,30 @@ impl Allowed {
 const IO: &str = "I/O on fds already held: sockets, /proc files, stderr";
 const PROC: &str = "reading process facts under /proc, resolving broker paths (glibc's fstat is newfstatat; std's File metadata is statx)";
 const SERVER: &str = "the Unix socket server: accept clients, read their credentials (SO_PEERCRED, SO_PEERGROUPS), exchange messages";
-const RUNTIME: &str = "tokio's current-thread event loop (timers are epoll timeouts; the clock is the vDSO)";
+const RUNTIME: &str =
+    "tokio's current-thread event loop (timers are epoll timeouts; the clock is the vDSO)";
 const MEMORY: &str = "memory allocation (glibc's main arena: brk, large blocks by mmap)";
 
 /// Allowed syscalls a busy steady state may not call in a short run, each with the path
 /// that needs it; every other entry of [`ALLOWED`] is seen in one
 /// (`allowed_syscalls_are_used` in tests/tests/sampler.rs).
 pub const RARE: &[(&str, &str)] = &[
-    ("mremap", "glibc realloc of a block larger than its mmap threshold"),
+    (
+        "mremap",
+        "glibc realloc of a block larger than its mmap threshold",
+    ),
     ("brk", "the heap growing past what setup left"),
     ("mmap", "an allocation larger than glibc's mmap threshold"),
-    ("futex", "tokio's notify and std's once-cells under contention"),
+    (
+        "futex",
+        "tokio's notify and std's once-cells under contention",
+    ),
     ("getrandom", "a hash map's random keys"),
     ("rt_sigreturn", "return from the SIGTERM/SIGINT handler"),
-    ("sigaltstack", "Rust's main-thread signal stack, released at exit"),
+    (
+        "sigaltstack",
+        "Rust's main-thread signal stack, released at exit",
+    ),
     ("shutdown", "closing a client connection"),
     ("sendmsg", "the broker passing an fd (SCM_RIGHTS)"),
     ("ioctl", "detaching the perf events at exit"),

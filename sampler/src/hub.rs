@@ -9,10 +9,11 @@ use std::rc::Rc;
 
 use tokio::sync::Notify;
 
-use crate::broker::RateLimit;
-use crate::counters::Counters;
+use crate::broker::{BROKER_BURST, BROKER_RATE};
+use crate::counters::{add, bump, Counters};
 use crate::procfs::ProcessRecord;
 use crate::round::{Issued, RoundData};
+use firn_logs::TokenBucket;
 
 /// Process record bytes one batch carries at most (as estimated by
 /// `ProcessRecord::wire_bytes`). With the samples (16,384 × 127 frames) and kernel
@@ -42,7 +43,7 @@ pub struct Subscriber {
     pub broker_key: [u8; 16],
     pub channel: RefCell<Option<std::os::unix::net::UnixStream>>,
     pub next_ticket: Cell<u64>,
-    pub rate: RefCell<RateLimit>,
+    pub rate: RefCell<TokenBucket>,
     /// Records over a batch's byte bound, to go into the next batch.
     deferred: RefCell<Vec<Issued>>,
 }
@@ -123,8 +124,7 @@ impl Hub {
         }
         if !over.is_empty() {
             let c = &self.counters;
-            c.process_records_deferred
-                .set(c.process_records_deferred.get() + over.len() as u64);
+            add(&c.process_records_deferred, over.len() as u64);
             tracing::warn!(
                 subscriber = sub.id,
                 deferred = over.len(),
@@ -150,7 +150,7 @@ impl Hub {
             broker_key,
             channel: RefCell::new(None),
             next_ticket: Cell::new(0),
-            rate: RefCell::new(RateLimit::default()),
+            rate: RefCell::new(TokenBucket::new(BROKER_RATE, BROKER_BURST)),
             deferred: RefCell::new(Vec::new()),
         });
         self.subs.borrow_mut().push(sub.clone());
@@ -213,11 +213,11 @@ impl Hub {
                 processes,
                 forgotten,
             });
-            c.batches_queued.set(c.batches_queued.get() + 1);
+            bump(&c.batches_queued);
             while q.len() > self.queue_limit {
                 let Some(old) = q.pop_front() else { break };
-                sub.dropped.set(sub.dropped.get() + 1);
-                c.batches_dropped.set(c.batches_dropped.get() + 1);
+                bump(&sub.dropped);
+                bump(&c.batches_dropped);
                 tracing::warn!(
                     subscriber = sub.id,
                     dropped = sub.dropped.get(),

@@ -17,4 +17,6 @@ pub mod probe;
 pub mod processes;
 pub mod procfs;
 pub mod round;
+pub mod rounds;
+pub mod serve;
 pub mod server;

@@ -2,21 +2,20 @@
 
 #[cfg(feature = "forbidden-probe")]
 use firn_sampler::probe;
-use firn_sampler::{attach, cli, drain, drop, hub, listen, preflight, round, server};
+use firn_sampler::{attach, cli, drain, drop, hub, listen, preflight, serve};
 use std::cell::Cell;
 use std::process::ExitCode;
 use std::rc::Rc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 use tokio::signal::unix::{signal, SignalKind};
 
-use firn_sampler::attach::Sampling;
 use firn_sampler::counters::Counters;
 use firn_sampler::kallsyms::Kallsyms;
-use firn_sampler::listen::{Allow, Peer};
 use firn_sampler::processes::ProcessTable;
+use firn_sampler::rounds::Rounds;
 use firn_sampler::server::{Identity, Shared};
 
 fn main() -> ExitCode {
@@ -36,12 +35,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-fn now_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// A random session id below 2^47, so that no integer on the wire looks like a kernel
@@ -88,7 +81,10 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let mut sampling = attach::load_and_attach(args.frequency)?;
     {
         use libbpf_rs::MapCore;
-        drain::check_key_size(sampling.skel.maps.counts_0.key_size())?;
+        drain::check_layout(
+            sampling.skel.maps.counts_0.key_size(),
+            sampling.skel.maps.stacks_0.value_size(),
+        )?;
     }
     tracing::info!(
         links = sampling.links(),
@@ -148,223 +144,22 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         max_connections: args.max_connections,
         write_stall_limit: Duration::from_secs(args.write_stall_seconds),
     });
+    let rounds = Rounds::new(ProcessTable::default(), firn_schema::now_ns());
     let local = tokio::task::LocalSet::new();
-    let ended = local.block_on(
-        &rt,
-        run_loop(
-            &args,
-            listener,
+    let ended = local.block_on(&rt, async {
+        tokio::task::spawn_local(serve::accept_loop(listener, shared.clone(), allow));
+        serve::run_rounds(
+            Duration::from_secs(u64::from(args.round)),
             shared,
-            allow,
             &mut sampling,
             &kallsyms,
+            rounds,
             (sigterm, sigint),
-        ),
-    );
+        )
+        .await
+    });
     drop(sampling);
     ended?;
     tracing::info!("stopped; BPF program detached");
-    Ok(())
-}
-
-async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>, allow: Allow) {
-    let c = shared.counters.clone();
-    let bump = |x: &Cell<u64>| x.set(x.get() + 1);
-    loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        match listen::check_peer(&stream, &allow) {
-            Peer::Allowed { uid, pid } => {
-                if shared.connections.get() >= shared.max_connections {
-                    bump(&c.connections_refused_limit);
-                    tracing::warn!(
-                        uid,
-                        pid,
-                        limit = shared.max_connections,
-                        "too many connections; refused"
-                    );
-                    continue;
-                }
-                bump(&c.connections_accepted);
-                shared.connections.set(shared.connections.get() + 1);
-                tracing::info!(uid, pid, "client connected");
-                tokio::task::spawn_local(server::handle(stream, shared.clone()));
-            }
-            Peer::Refused { uid, gid, pid } => {
-                bump(&c.connections_refused_peer);
-                tracing::warn!(
-                    uid,
-                    gid,
-                    pid,
-                    "peer not allowed (see --allow-uid/--allow-gid); disconnected"
-                );
-            }
-            Peer::Unknown(e) => {
-                bump(&c.connections_peer_unknown);
-                tracing::warn!(error = %e, "cannot read peer credentials; disconnected");
-            }
-        }
-    }
-}
-
-fn set_active(sampling: &mut Sampling, set: u32) {
-    if let Some(bss) = sampling.skel.maps.bss_data.as_deref_mut() {
-        // SAFETY: the .bss map is mmapped for the skeleton's lifetime; the program
-        // reads the field with a plain load, so a volatile store is all it takes.
-        unsafe { std::ptr::write_volatile(&mut bss.active_set, set) };
-    }
-}
-
-/// The run loop ended because a CPU can no longer be sampled.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "CPU {0} is online but not sampled (it went offline and came back, or came online \
-     after setup); a confined sampler cannot attach to it, so it exits for its \
-     supervisor to restart it (systemd: Restart=on-failure)"
-)]
-pub struct CpuHotplug(u32);
-
-fn read_bpf_counters(sampling: &Sampling, c: &Counters) {
-    use firn_sampler_bpf::counter as k;
-    let m = &sampling.skel.maps.counters;
-    for (slot, cell, name) in [
-        (k::SAMPLES, &c.bpf_samples, ""),
-        (k::IDLE, &c.bpf_idle_samples, ""),
-        (
-            k::USER_STACK_FULL,
-            &c.bpf_user_stack_lost,
-            "bpf_user_stack_lost",
-        ),
-        (
-            k::KERN_STACK_FULL,
-            &c.bpf_kernel_stack_lost,
-            "bpf_kernel_stack_lost",
-        ),
-        (
-            k::USER_STACK_ERR,
-            &c.bpf_user_stack_errors,
-            "bpf_user_stack_errors",
-        ),
-        (
-            k::KERN_STACK_ERR,
-            &c.bpf_kernel_stack_errors,
-            "bpf_kernel_stack_errors",
-        ),
-        (
-            k::COUNTS_FULL,
-            &c.bpf_counts_map_full,
-            "bpf_counts_map_full",
-        ),
-    ] {
-        if let Some(v) = drain::percpu_sum(m, slot) {
-            let before = cell.replace(v);
-            if !name.is_empty() && v > before {
-                tracing::warn!(
-                    counter = name,
-                    lost = v - before,
-                    "samples or stacks lost in the BPF program this round"
-                );
-            }
-        }
-    }
-}
-
-async fn run_loop(
-    args: &cli::Args,
-    listener: tokio::net::UnixListener,
-    shared: Rc<Shared>,
-    allow: Allow,
-    sampling: &mut Sampling,
-    kallsyms: &Kallsyms,
-    (mut sigterm, mut sigint): (tokio::signal::unix::Signal, tokio::signal::unix::Signal),
-) -> Result<(), CpuHotplug> {
-    tokio::task::spawn_local(accept_loop(listener, shared.clone(), allow));
-    let period = Duration::from_secs(u64::from(args.round));
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut table = ProcessTable::default();
-    let mut active = 0u32;
-    let mut round_no = 0u64;
-    let mut round_start = now_ns();
-    let c = &shared.counters;
-    let mut gone: Vec<u32> = Vec::new();
-    loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
-            _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
-            _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
-        }
-        let drained_set = active;
-        active ^= 1;
-        set_active(sampling, active);
-        let round_end = now_ns();
-        tokio::time::sleep(drain::GRACE).await;
-        round_no += 1;
-        let maps = &sampling.skel.maps;
-        let (counts, stacks) = if drained_set == 0 {
-            (drain::fd_of(&maps.counts_0), drain::fd_of(&maps.stacks_0))
-        } else {
-            (drain::fd_of(&maps.counts_1), drain::fd_of(&maps.stacks_1))
-        };
-        let drained = match drain::drain(counts, stacks) {
-            Ok(d) => d,
-            Err(e) => {
-                c.drain_errors.set(c.drain_errors.get() + 1);
-                tracing::warn!(round = round_no, error = %e, "draining the maps failed");
-                round_start = round_end;
-                continue;
-            }
-        };
-        c.stack_lookup_failures
-            .set(c.stack_lookup_failures.get() + drained.stack_lookup_failures);
-        if drained.stack_lookup_failures > 0 {
-            tracing::warn!(
-                round = round_no,
-                stacks = drained.stack_lookup_failures,
-                "stacks missing from the stack map; their samples are sent without them"
-            );
-        }
-        read_bpf_counters(sampling, c);
-        if let Ok(online) = attach::online_cpus() {
-            for &cpu in sampling.cpus() {
-                if !online.contains(&cpu) && !gone.contains(&cpu) {
-                    tracing::warn!(cpu, "CPU went offline; sampling goes on on the others");
-                    gone.push(cpu);
-                }
-            }
-            if let Some(cpu) = attach::unsampled_cpu(sampling.cpus(), &online, &gone) {
-                c.cpus_unsampled.set(c.cpus_unsampled.get() + 1);
-                // Logged once, by main, as the reason for exiting.
-                return Err(CpuHotplug(cpu));
-            }
-        }
-        table.begin_round();
-        let data = round::assemble(
-            drained,
-            kallsyms,
-            &mut table,
-            round_no,
-            (round_start, round_end),
-            c,
-        );
-        let forgotten = table.sweep(round_no, c);
-        c.rounds.set(c.rounds.get() + 1);
-        tracing::debug!(
-            round = round_no,
-            samples = data.samples.len(),
-            processes = data.processes.len(),
-            known_processes = table.len(),
-            subscribers = shared.hub.len(),
-            "round done"
-        );
-        shared.hub.publish(Rc::new(data), &forgotten);
-        round_start = round_end;
-    }
     Ok(())
 }

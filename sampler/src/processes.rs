@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::counters::Counters;
+use crate::counters::{add, bump, Counters};
 use crate::procfs::{self, ProcError, ProcessRecord};
 
 /// Processes kept at most; past it the least recently seen is forgotten.
@@ -76,13 +76,9 @@ fn read_record(
 ) -> (ProcessRecord, usize) {
     match procfs::read_process(tgid, start_ns) {
         Ok((mut r, read)) => {
-            counters
-                .processes_read
-                .set(counters.processes_read.get() + 1);
+            bump(&counters.processes_read);
             if r.trim_to(procfs::MAX_RECORD_BYTES) {
-                counters
-                    .process_records_trimmed
-                    .set(counters.process_records_trimmed.get() + 1);
+                bump(&counters.process_records_trimmed);
                 tracing::warn!(
                     pid = tgid,
                     kept_mappings = r.mappings.len(),
@@ -95,18 +91,14 @@ fn read_record(
         Err(e) => {
             match e {
                 ProcError::Gone { .. } | ProcError::Reused { .. } => {
-                    counters
-                        .processes_gone
-                        .set(counters.processes_gone.get() + 1);
+                    bump(&counters.processes_gone);
                     tracing::info!(
                         pid = tgid,
                         "process gone before /proc could be read; sent with what BPF saw"
                     );
                 }
                 _ => {
-                    counters
-                        .process_read_errors
-                        .set(counters.process_read_errors.get() + 1);
+                    bump(&counters.process_read_errors);
                     tracing::warn!(pid = tgid, error = %e, "process record unreadable");
                 }
             }
@@ -187,9 +179,7 @@ impl ProcessTable {
             self.read_left = self.read_left.saturating_sub(read);
             (record, false)
         } else {
-            counters
-                .process_reads_deferred
-                .set(counters.process_reads_deferred.get() + 1);
+            bump(&counters.process_reads_deferred);
             tracing::warn!(
                 pid = tgid,
                 budget_bytes = self.round_budget,
@@ -221,9 +211,7 @@ impl ProcessTable {
     fn shrink(&mut self, counters: &Counters) {
         while self.bytes > self.max_bytes && self.by_pid.len() > 1 {
             self.evict_oldest(counters);
-            counters
-                .processes_evicted_bytes
-                .set(counters.processes_evicted_bytes.get() + 1);
+            bump(&counters.processes_evicted_bytes);
         }
     }
 
@@ -249,9 +237,7 @@ impl ProcessTable {
             false
         });
         self.bytes -= freed;
-        counters
-            .processes_forgotten
-            .set(counters.processes_forgotten.get() + gone.len() as u64);
+        add(&counters.processes_forgotten, gone.len() as u64);
         gone
     }
 
@@ -260,9 +246,7 @@ impl ProcessTable {
             if let Some(k) = self.by_pid.remove(&key) {
                 self.bytes -= k.record.wire_bytes();
             }
-            counters
-                .processes_forgotten
-                .set(counters.processes_forgotten.get() + 1);
+            bump(&counters.processes_forgotten);
         }
     }
 
@@ -281,9 +265,7 @@ fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usi
         // Tried again next round, without backing off.
         return 0;
     }
-    counters
-        .mapping_refreshes
-        .set(counters.mapping_refreshes.get() + 1);
+    bump(&counters.mapping_refreshes);
     let mut read = 0;
     match procfs::read_mappings(k.record.pid) {
         Ok((maps, n)) if maps != k.record.mappings => {
@@ -291,9 +273,7 @@ fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usi
             let mut rec = (*k.record).clone();
             rec.mappings = maps;
             if rec.trim_to(procfs::MAX_RECORD_BYTES) {
-                counters
-                    .process_records_trimmed
-                    .set(counters.process_records_trimmed.get() + 1);
+                bump(&counters.process_records_trimmed);
             }
             k.ranges = ranges_of(&rec);
             k.record = Rc::new(rec);

@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use firn_sampler_bpf::COMM_LEN;
 
-use crate::counters::Counters;
+use crate::counters::{add, bump, Counters};
 use crate::drain::{Drained, StackRef};
 use crate::kallsyms::Kallsyms;
 use crate::processes::ProcessTable;
@@ -74,8 +74,8 @@ fn status(r: StackRef, drained: &Drained) -> StackStatus {
     match r {
         StackRef::Id(id) if drained.stacks.contains_key(&id) => StackStatus::Ok,
         StackRef::Id(_) => StackStatus::Lost,
-        StackRef::Err(-14) => StackStatus::Absent,
-        StackRef::Err(-17) | StackRef::Err(-12) => StackStatus::Lost,
+        StackRef::Err(e) if e == -libc::EFAULT => StackStatus::Absent,
+        StackRef::Err(e) if e == -libc::EEXIST || e == -libc::ENOMEM => StackStatus::Lost,
         StackRef::Err(_) => StackStatus::Error,
     }
 }
@@ -104,9 +104,7 @@ pub fn assemble(
                     .or_insert_with(|| {
                         let kept = user_prefix(frames);
                         if kept.len() < frames.len() {
-                            counters
-                                .user_stacks_truncated
-                                .set(counters.user_stacks_truncated.get() + 1);
+                            bump(&counters.user_stacks_truncated);
                         }
                         Rc::from(kept)
                     })
@@ -125,9 +123,7 @@ pub fn assemble(
                             .map(|&addr| {
                                 let sym = kallsyms.lookup(addr);
                                 if sym.is_none() {
-                                    counters
-                                        .kernel_frames_unresolved
-                                        .set(counters.kernel_frames_unresolved.get() + 1);
+                                    bump(&counters.kernel_frames_unresolved);
                                 }
                                 *symbol_index.entry(sym).or_insert_with(|| {
                                     let name = sym.map_or(UNKNOWN_KERNEL, |i| kallsyms.name(i));
@@ -165,9 +161,7 @@ pub fn assemble(
             kernel_status: status(raw.kernel, &drained),
         });
     }
-    counters
-        .samples_sent
-        .set(counters.samples_sent.get() + samples.len() as u64);
+    add(&counters.samples_sent, samples.len() as u64);
     RoundData {
         round,
         start_time_ns,

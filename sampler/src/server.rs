@@ -18,10 +18,10 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
-use crate::broker::RateLimit;
-use crate::counters::Counters;
+use crate::counters::{bump, Counters};
 use crate::encode::{self, BatchMeta};
 use crate::hub::{Hub, Subscriber};
+use firn_logs::TokenBucket;
 
 const STREAM_WINDOW_BYTES: usize = 16 * 1024;
 
@@ -33,9 +33,6 @@ const CALL_BURST: f64 = 2_500.0;
 /// `info` answers are the largest (every counter); a status call, rarely needed.
 const INFO_RATE: f64 = 5.0;
 const INFO_BURST: f64 = 50.0;
-/// A connection whose writes have not progressed for this long is not reading what it
-/// asked for: closed, so its unread answers cannot pile up in the sampler's memory.
-pub const WRITE_STALL_LIMIT: Duration = Duration::from_secs(10);
 
 /// What `info` reports and every batch is stamped with.
 pub struct Identity {
@@ -53,12 +50,10 @@ pub struct Shared {
     pub identity: Identity,
     pub connections: Cell<u32>,
     pub max_connections: u32,
-    /// See [`WRITE_STALL_LIMIT`]; shorter in tests.
+    /// A connection whose writes have not progressed for this long is not reading what
+    /// it asked for: closed, so its unread answers cannot pile up in the sampler's
+    /// memory (`--write-stall-seconds`).
     pub write_stall_limit: Duration,
-}
-
-fn bump(c: &Cell<u64>) {
-    c.set(c.get() + 1);
 }
 
 /// Per-connection control: closing it ends the connection's RPC system.
@@ -66,8 +61,8 @@ struct Conn {
     kill: Notify,
     subscribed: Cell<bool>,
     flooded: Cell<bool>,
-    calls: RefCell<RateLimit>,
-    info_calls: RefCell<RateLimit>,
+    calls: RefCell<TokenBucket>,
+    info_calls: RefCell<TokenBucket>,
 }
 
 impl Default for Conn {
@@ -76,8 +71,8 @@ impl Default for Conn {
             kill: Notify::new(),
             subscribed: Cell::new(false),
             flooded: Cell::new(false),
-            calls: RefCell::new(RateLimit::new(CALL_RATE, CALL_BURST)),
-            info_calls: RefCell::new(RateLimit::new(INFO_RATE, INFO_BURST)),
+            calls: RefCell::new(TokenBucket::new(CALL_RATE, CALL_BURST)),
+            info_calls: RefCell::new(TokenBucket::new(INFO_RATE, INFO_BURST)),
         }
     }
 }
@@ -116,9 +111,11 @@ struct SamplerImpl {
 }
 
 impl SamplerImpl {
-    fn check_version(&self, got: u32) -> Result<(), capnp::Error> {
+    /// Whether the client speaks this protocol version. If not: counted, logged, and the
+    /// connection closes once the answer is out.
+    fn version_matches(&self, got: u32) -> bool {
         if got == PROTOCOL_VERSION {
-            return Ok(());
+            return true;
         }
         bump(&self.shared.counters.protocol_mismatches);
         tracing::warn!(
@@ -127,6 +124,13 @@ impl SamplerImpl {
             "client speaks another protocol version; closing its connection"
         );
         self.conn.close_soon();
+        false
+    }
+
+    fn check_version(&self, got: u32) -> Result<(), capnp::Error> {
+        if self.version_matches(got) {
+            return Ok(());
+        }
         Err(capnp::Error::failed(format!(
             "protocol version mismatch: firn-sampler speaks version {PROTOCOL_VERSION}, \
              the client sent {got}; run matching firn versions"
@@ -153,11 +157,15 @@ impl sampler::Server for SamplerImpl {
                 .get()
                 .map_err(|e| self.bad_request("info", e))?
                 .get_protocol_version();
-            self.check_version(version)?;
-            let id = &self.shared.identity;
             let mut info = results.get().init_info();
             info.set_protocol_version(PROTOCOL_VERSION);
             info.set_sampler_version(env!("CARGO_PKG_VERSION"));
+            // Another version gets the typed answer (the two version fields) and nothing
+            // else; `info`'s ordinal and these fields are the frozen part of the schema.
+            if !self.version_matches(version) {
+                return Ok(());
+            }
+            let id = &self.shared.identity;
             info.set_node(id.node.as_str());
             info.set_kernel_release(id.kernel_release.as_str());
             info.set_session_id(id.session_id);
@@ -259,7 +267,7 @@ impl SubscriptionImpl {
             Refusal::OpenFailed => &c.broker_refused_open,
             Refusal::RateLimited => &c.broker_refused_rate,
             Refusal::NoBrokerChannel | Refusal::ChannelFull => &c.broker_refused_channel,
-            Refusal::Unsupported => &c.broker_refused_unsupported,
+            Refusal::ObsoleteUnsupported => &c.broker_refused_open,
         });
     }
 }

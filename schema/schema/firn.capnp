@@ -8,7 +8,9 @@ const protocolVersion :UInt32 = 1;
 
 interface Sampler {
   info @0 (protocolVersion :UInt32) -> (info :Info);
-  # Describes the sampler. Fails if the caller speaks another protocol version.
+  # Describes the sampler. To a caller of another protocol version it answers only
+  # info.protocolVersion and info.samplerVersion, then closes the connection: this
+  # method's ordinal and those two fields never change between versions.
 
   subscribe @1 (protocolVersion :UInt32, sink :BatchSink)
       -> (subscription :Subscription, brokerKey :Data);
@@ -57,7 +59,7 @@ enum Refusal {
   rateLimited @7;
   noBrokerChannel @8;    # the broker channel is not connected
   channelFull @9;        # the subscriber does not read its broker channel
-  unsupported @10;       # this kernel lacks what the broker needs (Landlock, openat2)
+  obsoleteUnsupported @10; # never sent (kept so that the numbering stays)
 }
 
 struct Info {

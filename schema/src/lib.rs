@@ -8,6 +8,14 @@ pub mod firn_capnp {
 
 pub use firn_capnp::PROTOCOL_VERSION;
 
+/// Now as Unix time in nanoseconds: the clock of every time on the wire (round spans,
+/// process start times are boot-relative and say so).
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
 /// Upper bounds on every list either side accepts. A message beyond one is rejected.
 pub mod limits {
     /// Samples in one batch: the BPF counts map holds at most this many keys.

@@ -414,11 +414,7 @@ pub fn wait_until(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
-pub fn now_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
+pub use firn_schema::now_ns;
 
 /// A running sampler + enricher pair: the sampler as root, the enricher as the
 /// unprivileged test user, profiles in a temp directory.

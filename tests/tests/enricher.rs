@@ -278,7 +278,17 @@ fn stripped_binary_keeps_addresses() {
         return;
     }
     let f = Firn::start("strip", FAST);
-    let busy = workload("busy");
+    // A build id of its own: the enricher rightly takes symbols from any copy with the
+    // same build id (the same code), so a plain copy of `busy` got names whenever an
+    // unstripped `busy` ran meanwhile (another test's leftover, a benchmark).
+    let busy = compile(
+        "busy.c",
+        "busy-own-build-id",
+        &[
+            "-pthread",
+            "-Wl,--build-id=0xf1a2b3c4d5e6f708192a3b4c5d6e7f8091a2b3c4",
+        ],
+    );
     let stripped = f.dir.path().join("busy-stripped");
     let st = Command::new("llvm-strip")
         .arg("-o")

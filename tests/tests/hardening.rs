@@ -293,14 +293,11 @@ fn allowed_syscalls_are_used() {
     let mut b = start_workload(&busy, &["5"]);
     let pid = b.pid();
     // New processes every round (/proc reads, exits) beside the busy one.
-    let mut c = Proc::spawn(
-        "churn",
-        {
-            let mut c = Command::new(&churn);
-            c.args(["4", "50", "-"]);
-            c
-        },
-    );
+    let mut c = Proc::spawn("churn", {
+        let mut c = Command::new(&churn);
+        c.args(["4", "50", "-"]);
+        c
+    });
     b.wait_exit(30 * SECS);
     c.wait_exit(30 * SECS);
     let tr = traces(&f.wait_profiles(pid, 2, 15 * SECS));

@@ -27,8 +27,8 @@ pub const DEFAULT_RULES: &str = r#"
 - {source_labels: [__meta_kubernetes_pod_container_name], target_label: container}
 "#;
 
-pub fn default_rules() -> Vec<RuleConfig> {
-    serde_yaml::from_str(DEFAULT_RULES).unwrap_or_default()
+pub fn default_rules() -> Result<Vec<RuleConfig>, relabel::RelabelError> {
+    serde_yaml::from_str(DEFAULT_RULES).map_err(|e| relabel::RelabelError::Builtin(e.to_string()))
 }
 
 /// Facts about the machine, fixed for the enricher's life.
@@ -248,5 +248,16 @@ impl Labeler {
             m.insert("__meta_process_executable_stripped".into(), s.to_string());
         }
         (m, complete)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The built-in rules parse, compile, and are not empty.
+    #[test]
+    fn default_rules_are_whole() {
+        let rules = super::default_rules().expect("built-in relabel rules parse");
+        assert!(rules.len() >= 4);
+        super::relabel::compile(&rules).expect("built-in relabel rules compile");
     }
 }

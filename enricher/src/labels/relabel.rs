@@ -10,6 +10,8 @@ pub type Labels = BTreeMap<String, String>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelabelError {
+    #[error("the built-in relabel rules do not parse (a bug in this build): {0}")]
+    Builtin(String),
     #[error("relabel_configs[{index}]: invalid regex {regex:?}: {source}")]
     Regex {
         index: usize,

@@ -49,8 +49,10 @@ struct {
 /* Written by the sampler through the mmapped .bss; read once per sample. */
 volatile __u32 active_set = 0;
 
-/* Only to make the key type visible in the skeleton's BTF. */
+/* Only to make the key and counter types visible in the skeleton's BTF, so that the
+ * sampler's Rust types are generated from this header. */
 struct firn_sample_key unused_key = {};
+enum firn_counter unused_counter = FIRN_CTR_SAMPLES;
 
 static __always_inline void bump(__u32 idx)
 {
@@ -66,10 +68,10 @@ static __always_inline __s32 stack_id(void *ctx, void *map, __u64 flags, __u32 f
 		return (__s32)id;
 	/* -EFAULT: no stack of this kind for this sample (user-mode sample has no kernel
 	 * stack, kernel thread has no user stack). Normal, not a loss. */
-	if (id == -14)
+	if (id == -FIRN_EFAULT)
 		return (__s32)id;
 	/* -EEXIST: hash bucket holds another stack; -ENOMEM: map full. */
-	if (id == -17 || id == -12)
+	if (id == -FIRN_EEXIST || id == -FIRN_ENOMEM)
 		bump(full_ctr);
 	else
 		bump(err_ctr);
@@ -119,7 +121,7 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
 	 * callchain setup (~2 us on the test VM), so answer as the helper would. */
 	if (user_mode(ctx))
-		key.kern_stack_id = -14;
+		key.kern_stack_id = -FIRN_EFAULT;
 	else
 		key.kern_stack_id = stack_id(ctx, stacks, 0,
 					     FIRN_CTR_KERN_STACK_FULL, FIRN_CTR_KERN_STACK_ERR);

@@ -5,6 +5,12 @@
 #define FIRN_TASK_COMM_LEN 16
 #define FIRN_MAX_STACK_DEPTH 127
 
+/* Errors of bpf_get_stackid the program tells apart (Linux errno values; vmlinux.h
+ * has no errno macros). The sampler names them with libc's constants. */
+#define FIRN_ENOMEM 12  /* stack map full */
+#define FIRN_EFAULT 14  /* no stack of this kind for this sample */
+#define FIRN_EEXIST 17  /* stack map bucket holds another stack */
+
 /* Index of each per-CPU counter in the `counters` map. */
 enum firn_counter {
 	FIRN_CTR_SAMPLES = 0,          /* program runs that reached the counting step */
@@ -25,5 +31,10 @@ struct firn_sample_key {
 	__s32 kern_stack_id;             /* >= 0, or -errno */
 	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
 };
+
+/* The sampler reads this layout through the skeleton's generated `firn_sample_key`
+ * (from the program's BTF): one definition, here. The size is part of the contract with
+ * the batched map drain, so a change must be deliberate. */
+_Static_assert(sizeof(struct firn_sample_key) == 40, "firn_sample_key is 40 bytes");
 
 #endif

@@ -1,0 +1,365 @@
+//! The round loop's logic, apart from the event loop that times it: retire the map set
+//! the program writes, drain it after the grace period, read the BPF-side counters,
+//! notice CPUs that left or came back, assemble the round and forget exited processes.
+//! The BPF maps sit behind [`MapSets`], so the logic is tested without a kernel.
+
+use std::cell::Cell;
+
+use firn_sampler_bpf::types::firn_counter;
+
+use crate::counters::{add, bump, Counters};
+use crate::drain::{DrainError, Drained};
+use crate::kallsyms::Kallsyms;
+use crate::processes::ProcessTable;
+use crate::round::{self, RoundData};
+
+/// The two map sets the BPF program writes, one at a time.
+pub trait MapSets {
+    /// Makes `set` (0 or 1) the one the program writes.
+    fn activate(&mut self, set: u32);
+    /// Reads and empties `set`.
+    fn drain(&mut self, set: u32) -> Result<Drained, DrainError>;
+    /// A per-CPU counter of the program, summed over CPUs (cumulative).
+    fn counter(&self, slot: firn_counter) -> Option<u64>;
+    /// CPUs the program is attached to.
+    fn cpus(&self) -> &[u32];
+}
+
+/// The run loop ended because a CPU can no longer be sampled.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "CPU {0} is online but not sampled (it went offline and came back, or came online \
+     after setup); a confined sampler cannot attach to it, so it exits for its \
+     supervisor to restart it (systemd: Restart=on-failure)"
+)]
+pub struct CpuHotplug(pub u32);
+
+/// A set retired by [`Rounds::flip`], to be drained once no program run writes it.
+#[must_use]
+pub struct Retired {
+    set: u32,
+    end_ns: u64,
+}
+
+/// What a round produced.
+pub struct Round {
+    pub data: RoundData,
+    /// Process ids forgotten this round (exited and idle).
+    pub forgotten: Vec<u64>,
+}
+
+/// State carried from round to round.
+pub struct Rounds {
+    table: ProcessTable,
+    active: u32,
+    round: u64,
+    start_ns: u64,
+    /// CPUs seen offline since setup.
+    offline: Vec<u32>,
+}
+
+/// The program's counters, the sampler's cell for each, and whether a rise is a loss.
+fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 7] {
+    type K = firn_counter;
+    [
+        (K::FIRN_CTR_SAMPLES, &c.bpf_samples, None),
+        (K::FIRN_CTR_IDLE, &c.bpf_idle_samples, None),
+        (
+            K::FIRN_CTR_USER_STACK_FULL,
+            &c.bpf_user_stack_lost,
+            Some("bpf_user_stack_lost"),
+        ),
+        (
+            K::FIRN_CTR_KERN_STACK_FULL,
+            &c.bpf_kernel_stack_lost,
+            Some("bpf_kernel_stack_lost"),
+        ),
+        (
+            K::FIRN_CTR_USER_STACK_ERR,
+            &c.bpf_user_stack_errors,
+            Some("bpf_user_stack_errors"),
+        ),
+        (
+            K::FIRN_CTR_KERN_STACK_ERR,
+            &c.bpf_kernel_stack_errors,
+            Some("bpf_kernel_stack_errors"),
+        ),
+        (
+            K::FIRN_CTR_COUNTS_FULL,
+            &c.bpf_counts_map_full,
+            Some("bpf_counts_map_full"),
+        ),
+    ]
+}
+
+impl Rounds {
+    /// Rounds starting at `start_ns` (Unix ns), with set 0 active.
+    pub fn new(table: ProcessTable, start_ns: u64) -> Self {
+        Self {
+            table,
+            active: 0,
+            round: 0,
+            start_ns,
+            offline: Vec::new(),
+        }
+    }
+
+    pub fn known_processes(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Ends the current round at `now_ns`: the program switches to the other set.
+    pub fn flip(&mut self, maps: &mut impl MapSets, now_ns: u64) -> Retired {
+        let retired = Retired {
+            set: self.active,
+            end_ns: now_ns,
+        };
+        self.active ^= 1;
+        maps.activate(self.active);
+        retired
+    }
+
+    /// Drains the retired set (after the grace period) and makes the round. `online` is
+    /// the online CPU list, if it could be read. `Ok(None)`: the drain failed (counted);
+    /// the next round starts where this one ended.
+    pub fn finish(
+        &mut self,
+        maps: &mut impl MapSets,
+        retired: Retired,
+        online: Option<&[u32]>,
+        kallsyms: &Kallsyms,
+        c: &Counters,
+    ) -> Result<Option<Round>, CpuHotplug> {
+        self.round += 1;
+        let span = (self.start_ns, retired.end_ns);
+        self.start_ns = retired.end_ns;
+        let drained = match maps.drain(retired.set) {
+            Ok(d) => d,
+            Err(e) => {
+                bump(&c.drain_errors);
+                tracing::warn!(round = self.round, error = %e, "draining the maps failed");
+                return Ok(None);
+            }
+        };
+        add(&c.stack_lookup_failures, drained.stack_lookup_failures);
+        if drained.stack_lookup_failures > 0 {
+            tracing::warn!(
+                round = self.round,
+                stacks = drained.stack_lookup_failures,
+                "stacks missing from the stack map; their samples are sent without them"
+            );
+        }
+        self.read_counters(maps, c);
+        if let Some(online) = online {
+            self.check_cpus(maps.cpus(), online, c)?;
+        }
+        self.table.begin_round();
+        let data = round::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
+        let forgotten = self.table.sweep(self.round, c);
+        bump(&c.rounds);
+        tracing::debug!(
+            round = self.round,
+            samples = data.samples.len(),
+            processes = data.processes.len(),
+            known_processes = self.table.len(),
+            "round done"
+        );
+        Ok(Some(Round { data, forgotten }))
+    }
+
+    fn read_counters(&self, maps: &impl MapSets, c: &Counters) {
+        for (slot, cell, loss) in bpf_counters(c) {
+            let Some(v) = maps.counter(slot) else {
+                continue;
+            };
+            let before = cell.replace(v);
+            if let Some(name) = loss.filter(|_| v > before) {
+                tracing::warn!(
+                    counter = name,
+                    lost = v - before,
+                    "samples or stacks lost in the BPF program this round"
+                );
+            }
+        }
+    }
+
+    /// A CPU that went offline ends its perf event for good; sampling goes on on the
+    /// others. One online again (or new since setup) cannot be attached once confined.
+    fn check_cpus(
+        &mut self,
+        sampled: &[u32],
+        online: &[u32],
+        c: &Counters,
+    ) -> Result<(), CpuHotplug> {
+        for &cpu in sampled {
+            if !online.contains(&cpu) && !self.offline.contains(&cpu) {
+                tracing::warn!(cpu, "CPU went offline; sampling goes on on the others");
+                self.offline.push(cpu);
+            }
+        }
+        if let Some(cpu) = crate::attach::unsampled_cpu(sampled, online, &self.offline) {
+            bump(&c.cpus_unsampled);
+            // Logged once, by main, as the reason for exiting.
+            return Err(CpuHotplug(cpu));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::drain::{RawSample, StackRef};
+    use std::collections::{HashMap, VecDeque};
+
+    #[derive(Default)]
+    struct FakeMaps {
+        active: Vec<u32>,
+        drains: VecDeque<Result<Drained, DrainError>>,
+        drained_sets: Vec<u32>,
+        counters: HashMap<u32, u64>,
+        cpus: Vec<u32>,
+    }
+
+    impl MapSets for FakeMaps {
+        fn activate(&mut self, set: u32) {
+            self.active.push(set);
+        }
+        fn drain(&mut self, set: u32) -> Result<Drained, DrainError> {
+            self.drained_sets.push(set);
+            self.drains
+                .pop_front()
+                .unwrap_or_else(|| Ok(Drained::default()))
+        }
+        fn counter(&self, slot: firn_counter) -> Option<u64> {
+            self.counters.get(&slot.0).copied()
+        }
+        fn cpus(&self) -> &[u32] {
+            &self.cpus
+        }
+    }
+
+    /// A sample of a pid that does not exist: recorded with what BPF saw.
+    fn sample(tgid: u32, user: StackRef, count: u64) -> RawSample {
+        let mut comm = [0u8; firn_sampler_bpf::COMM_LEN];
+        comm[..4].copy_from_slice(b"test");
+        RawSample {
+            tgid,
+            tid: tgid,
+            start_ns: 1,
+            comm,
+            user,
+            kernel: StackRef::Err(-libc::EFAULT),
+            count,
+        }
+    }
+
+    fn run(
+        r: &mut Rounds,
+        m: &mut FakeMaps,
+        now: u64,
+        online: &[u32],
+        c: &Counters,
+    ) -> Result<Option<Round>, CpuHotplug> {
+        let retired = r.flip(m, now);
+        r.finish(m, retired, Some(online), &Kallsyms::empty(), c)
+    }
+
+    #[test]
+    fn sets_alternate_and_time_spans_chain() {
+        let c = Counters::default();
+        let mut m = FakeMaps {
+            cpus: vec![0, 1],
+            ..Default::default()
+        };
+        let mut r = Rounds::new(ProcessTable::default(), 100);
+        let mut spans = Vec::new();
+        for now in [200, 300, 400] {
+            let round = run(&mut r, &mut m, now, &[0, 1], &c).unwrap().unwrap();
+            spans.push((
+                round.data.round,
+                round.data.start_time_ns,
+                round.data.end_time_ns,
+            ));
+        }
+        assert_eq!(m.active, vec![1, 0, 1]);
+        assert_eq!(m.drained_sets, vec![0, 1, 0]);
+        assert_eq!(spans, vec![(1, 100, 200), (2, 200, 300), (3, 300, 400)]);
+        assert_eq!(c.rounds.get(), 3);
+    }
+
+    #[test]
+    fn a_failed_drain_is_counted_and_the_next_round_starts_where_it_ended() {
+        let c = Counters::default();
+        let mut m = FakeMaps {
+            cpus: vec![0],
+            ..Default::default()
+        };
+        m.drains.push_back(Err(DrainError::KeySize { got: 1 }));
+        let mut r = Rounds::new(ProcessTable::default(), 0);
+        assert!(run(&mut r, &mut m, 10, &[0], &c).unwrap().is_none());
+        assert_eq!(c.drain_errors.get(), 1);
+        let round = run(&mut r, &mut m, 20, &[0], &c).unwrap().unwrap();
+        assert_eq!((round.data.round, round.data.start_time_ns), (2, 10));
+        assert_eq!(c.rounds.get(), 1);
+    }
+
+    #[test]
+    fn samples_become_a_round_with_counters() {
+        let c = Counters::default();
+        let mut m = FakeMaps {
+            cpus: vec![0],
+            ..Default::default()
+        };
+        let mut stacks = HashMap::new();
+        stacks.insert(7, vec![0x401000, 0x402000]);
+        m.drains.push_back(Ok(Drained {
+            samples: vec![
+                sample(u32::MAX - 1, StackRef::Id(7), 3),
+                sample(u32::MAX - 1, StackRef::Id(8), 1),
+            ],
+            stacks,
+            stack_lookup_failures: 1,
+        }));
+        m.counters.insert(firn_counter::FIRN_CTR_SAMPLES.0, 4);
+        m.counters.insert(firn_counter::FIRN_CTR_COUNTS_FULL.0, 2);
+        let mut r = Rounds::new(ProcessTable::default(), 0);
+        let round = run(&mut r, &mut m, 10, &[0], &c).unwrap().unwrap();
+        let d = &round.data;
+        assert_eq!(d.samples.len(), 2);
+        assert_eq!(&*d.samples[0].user, &[0x401000, 0x402000]);
+        assert_eq!(d.samples[1].user_status, round::StackStatus::Lost);
+        // One record, for the process both samples belong to: what BPF saw of it.
+        assert_eq!(d.processes.len(), 1);
+        assert!(!d.processes[0].record.complete);
+        assert_eq!(d.processes[0].record.comm, b"test");
+        assert_eq!(c.stack_lookup_failures.get(), 1);
+        assert_eq!(c.bpf_samples.get(), 4);
+        assert_eq!(c.bpf_counts_map_full.get(), 2);
+        assert_eq!(c.processes_gone.get(), 1);
+        assert_eq!(r.known_processes(), 1);
+    }
+
+    #[test]
+    fn a_cpu_back_from_offline_ends_the_loop() {
+        let c = Counters::default();
+        let mut m = FakeMaps {
+            cpus: vec![0, 1],
+            ..Default::default()
+        };
+        let mut r = Rounds::new(ProcessTable::default(), 0);
+        assert!(run(&mut r, &mut m, 1, &[0], &c).unwrap().is_some());
+        assert!(run(&mut r, &mut m, 2, &[0], &c).unwrap().is_some());
+        assert!(matches!(
+            run(&mut r, &mut m, 3, &[0, 1], &c),
+            Err(CpuHotplug(1))
+        ));
+        assert_eq!(c.cpus_unsampled.get(), 1);
+        // A CPU new since setup, too.
+        let mut r = Rounds::new(ProcessTable::default(), 0);
+        assert!(matches!(
+            run(&mut r, &mut m, 1, &[0, 1, 2], &c),
+            Err(CpuHotplug(2))
+        ));
+    }
+}
