@@ -19,6 +19,10 @@ if ! command -v cargo >/dev/null; then
 fi
 
 export FIRN_REQUIRE_BPF="${FIRN_REQUIRE_BPF:-1}"
+# Gates first, they are the quickest to fail: formatting, then clippy with warnings as
+# errors and the workspace's lints (every unsafe block documented).
+cargo fmt --all --check
+cargo clippy --release --locked --workspace --all-targets -- -D warnings
 # The probe copy first: cargo keeps both feature sets' artefacts, so the plain build
 # after it only re-links.
 cargo build --release --locked -p firn-sampler --features forbidden-probe

@@ -4,7 +4,13 @@
 //! that the sampler reads back, and the skeleton generates their Rust types from the
 //! program's BTF (`types::firn_sample_key`, `types::firn_counter`): one definition.
 
-#[allow(clippy::all, clippy::pedantic, missing_docs, non_camel_case_types)]
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    clippy::undocumented_unsafe_blocks,
+    missing_docs,
+    non_camel_case_types
+)]
 mod skel {
     include!(concat!(env!("OUT_DIR"), "/profile.skel.rs"));
 }

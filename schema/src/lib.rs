@@ -1,7 +1,13 @@
 //! The Cap'n Proto contract between `firn-sampler` and `firn-enricher`, plus the limits
 //! both sides enforce when reading it.
 
-#[allow(clippy::all, clippy::pedantic, missing_docs, unused_qualifications)]
+#[allow(
+    clippy::all,
+    clippy::pedantic,
+    clippy::undocumented_unsafe_blocks,
+    missing_docs,
+    unused_qualifications
+)]
 pub mod firn_capnp {
     include!(concat!(env!("OUT_DIR"), "/firn_capnp.rs"));
 }

@@ -19,11 +19,6 @@ fn run_workload(path: &std::path::Path, args: &[&str], secs: u64) -> u32 {
     pid
 }
 
-fn traces(files: &[PathBuf]) -> Vec<(u64, Vec<String>)> {
-    assert!(!files.is_empty(), "no profiles");
-    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
-}
-
 #[test]
 fn workload_traces_http_and_privileges() {
     if !can_run_bpf() {
@@ -160,12 +155,6 @@ fn library_loaded_after_start() {
 }
 
 /// Runs `script` in a new mount namespace (`unshare -m`), printing the workload's pid.
-fn in_mount_ns(script: &str) -> Proc {
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--mount", "--propagation", "private", "sh", "-c", script]);
-    Proc::spawn("ns", cmd)
-}
-
 fn ns_pid(p: &Proc) -> u32 {
     let line = p
         .wait_for("ready", 20 * SECS)

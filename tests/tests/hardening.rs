@@ -12,31 +12,6 @@ use firn_tests::*;
 const SECS: Duration = Duration::from_secs(1);
 const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
 
-fn in_mount_ns(script: &str) -> Proc {
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--mount", "--propagation", "private", "sh", "-c", script]);
-    Proc::spawn("ns", cmd)
-}
-
-fn traces(files: &[std::path::PathBuf]) -> Vec<(u64, Vec<String>)> {
-    assert!(!files.is_empty(), "no profiles");
-    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
-}
-
-/// The pid of the sampler under a wrapper (strace's only child).
-fn child_of(pid: u32) -> u32 {
-    let mut found = 0;
-    wait_until(10 * SECS, || {
-        found = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-            .ok()
-            .and_then(|c| c.split_whitespace().next().and_then(|p| p.parse().ok()))
-            .unwrap_or(0);
-        found != 0
-    });
-    assert_ne!(found, 0, "no child of {pid}");
-    found
-}
-
 /// A mapped path that now leads to a device, a FIFO, a socket or a directory (a mount
 /// in the process's own namespace covers it): the broker refuses each without opening
 /// it. inotify on the special files sees any open, the way a device driver would.
@@ -120,10 +95,8 @@ fn fat_process_records_are_trimmed() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("fat");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, FAST);
-    let dump = start_dump(&sock, None, &[]);
+    let mut sampler = SamplerRun::start("fat", FAST);
+    let dump = sampler.dump(&[]);
     let script = r#"
 import mmap, os, sys, time
 d = sys.argv[1]
@@ -145,7 +118,7 @@ while time.time() - t < float(sys.argv[2]):
     let mut cmd = Command::new("/usr/bin/python3");
     cmd.arg("-c")
         .arg(script)
-        .arg(dir.path().join("long"))
+        .arg(sampler.dir.path().join("long"))
         .arg("5");
     let mut w = Proc::spawn("fat", cmd);
     let pid: u64 = w
@@ -191,16 +164,17 @@ fn supplementary_groups_are_checked() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("groups");
-    let sock = dir.path().join("s.sock");
     let (_, allowed_gid) = test_user("firn-test");
     let (uid, gid) = test_user("firn-test-denied");
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
+    let mut sampler = SamplerRun::start(
+        "groups",
         &["--round", "1", "--allow-gid", &allowed_gid.to_string()],
     );
-    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    std::fs::set_permissions(
+        &sampler.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
     let client = |groups: &str| {
         let mut c = Command::new("setpriv");
         c.arg(format!("--reuid={uid}"))
@@ -209,7 +183,7 @@ fn supplementary_groups_are_checked() {
             .arg("--inh-caps=-all")
             .arg(bin("firn-enricher"))
             .arg("--socket")
-            .arg(&sock)
+            .arg(&sampler.socket)
             .arg("--dump");
         Proc::spawn("enricher", c)
     };
@@ -261,12 +235,7 @@ fn socket_is_born_with_mode_and_group() {
     assert_eq!(meta.mode() & 0o7777, 0o660, "socket mode");
     assert_eq!(meta.gid(), gid, "socket group");
     assert_eq!(meta.uid(), 0, "socket owner");
-    let inner = child_of(sampler.pid());
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(inner as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    sampler.wait_exit(10 * SECS);
+    sampler.stop_child(10 * SECS);
     let calls = std::fs::read_to_string(&trace).unwrap();
     for line in calls.lines() {
         let following = ["chmod(", "fchmodat(", "fchmodat2(", "chown("]
@@ -305,12 +274,7 @@ fn allowed_syscalls_are_used() {
         tr.iter().any(|t| t.1.iter().any(|f| f == "hot_leaf")),
         "no symbolized stack: the broker did not serve"
     );
-    let inner = child_of(f.sampler.pid());
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(inner as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    f.sampler.wait_exit(15 * SECS);
+    f.sampler.stop_child(15 * SECS);
     let text = std::fs::read_to_string(&trace).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     let start = lines
@@ -403,9 +367,7 @@ fn runs_as_a_dedicated_user() {
     );
     // Root-only files: readable by a uid-0 sampler, not by one that switched.
     let probe = bin("firn-sampler-probe");
-    let dir = TempDir::new("runas-probe");
-    let sock = dir.path().join("s.sock");
-    let mut p = start_sampler(&probe, &sock, &["--user", "firn-sampler-t"]);
+    let mut p = SamplerRun::start_with("runas-probe", &probe, &[], &["--user", "firn-sampler-t"]);
     let line = p
         .wait_for("syscall=\"open_root_only\"", 10 * SECS)
         .expect("probe result");

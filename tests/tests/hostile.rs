@@ -36,11 +36,8 @@ fn hostile_clients_are_counted_and_cut_off() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("hostile");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
+    let mut sampler = SamplerRun::start(
+        "hostile",
         &[
             "--round",
             "1",
@@ -51,7 +48,7 @@ fn hostile_clients_are_counted_and_cut_off() {
         ],
     );
     let spid = sampler.child.id();
-    let good = start_dump(&sock, None, &[]);
+    let good = sampler.dump(&[]);
     assert!(good.wait_for("\"connected\"", 10 * SECS).is_some());
     let _busy = start_workload(&workload("busy"), &["600"]);
 
@@ -75,7 +72,7 @@ fn hostile_clients_are_counted_and_cut_off() {
             .and_then(|b| counter(b, counter_name))
             .unwrap_or(0);
         let t0 = Instant::now();
-        let r = hostile(&sock, scenario);
+        let r = hostile(&sampler.socket, scenario);
         assert_eq!(
             r["closed"].as_bool(),
             Some(must_close),
@@ -118,7 +115,7 @@ fn hostile_clients_are_counted_and_cut_off() {
     // More connections than the limit: the extra ones are refused at once; silent ones
     // are closed when the handshake time runs out.
     let silent: Vec<UnixStream> = (0..10)
-        .filter_map(|_| UnixStream::connect(&sock).ok())
+        .filter_map(|_| UnixStream::connect(&sampler.socket).ok())
         .collect();
     let mut closed = 0;
     for mut s in silent {

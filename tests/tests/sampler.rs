@@ -30,13 +30,10 @@ fn sampling_end_to_end() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("e2e");
-    let sock = dir.path().join("s.sock");
     let (uid, gid) = test_user("firn-test");
     let freq = 99u64;
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
+    let mut sampler = SamplerRun::start(
+        "e2e",
         &[
             "--frequency",
             "99",
@@ -48,7 +45,7 @@ fn sampling_end_to_end() {
             &gid.to_string(),
         ],
     );
-    let dump = start_dump(&sock, Some((uid, gid)), &[]);
+    let dump = sampler.dump_as((uid, gid), &[]);
     assert!(
         dump.wait_for("\"connected\"", 10 * SECS).is_some(),
         "no connection"
@@ -146,14 +143,8 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("kern");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
-        &["--frequency", "99", "--round", "1"],
-    );
-    let dump = start_dump(&sock, None, &[]);
+    let mut sampler = SamplerRun::start("kern", &["--frequency", "99", "--round", "1"]);
+    let dump = sampler.dump(&[]);
     assert!(dump.wait_for("\"connected\"", 10 * SECS).is_some());
     let mut w = start_workload(&workload("syscalls"), &["4"]);
     let pid = u64::from(w.pid());
@@ -240,11 +231,9 @@ fn privileges_are_dropped_on_every_task() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("caps");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--round", "1"]);
+    let mut sampler = SamplerRun::start("caps", &["--round", "1"]);
     // Let it serve a client and run rounds, so the steady state is what is measured.
-    let dump = start_dump(&sock, None, &[]);
+    let dump = sampler.dump(&[]);
     wait_batches(&dump, 2, 10 * SECS);
     // CAP_SYS_PTRACE is bit 19: the one capability kept (sampler/README.md).
     let kept = "0000000000080000";
@@ -274,14 +263,12 @@ fn forbidden_syscalls_are_refused() {
         "{} missing: tests/run.sh builds it with --features forbidden-probe",
         probe.display()
     );
-    let dir = TempDir::new("probe");
-    let sock = dir.path().join("s.sock");
     let target = std::path::Path::new("/tmp/firn-forbidden-probe");
     let _ = std::fs::remove_file(target);
     // A root-owned file the probe tries to unlink through every fd it may hold.
     let victim = std::path::Path::new("/tmp/firn-forbidden-probe-victim");
     std::fs::write(victim, b"keep").unwrap();
-    let mut sampler = start_sampler(&probe, &sock, &["--round", "1"]);
+    let mut sampler = SamplerRun::start_with("probe", &probe, &[], &["--round", "1"]);
     let expected = [
         "execve",
         "socket_inet",
@@ -312,7 +299,7 @@ fn forbidden_syscalls_are_refused() {
     assert!(victim.exists(), "the probe unlinked a root-owned file");
     let _ = std::fs::remove_file(victim);
     // Still alive and serving after the attempts.
-    let dump = start_dump(&sock, None, &[]);
+    let dump = sampler.dump(&[]);
     assert!(!wait_batches(&dump, 1, 10 * SECS).is_empty());
     sampler.stop();
 }
@@ -322,18 +309,16 @@ fn peer_credentials_are_checked() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("peer");
-    let sock = dir.path().join("s.sock");
     let (uid, gid) = test_user("firn-test");
     let (bad_uid, bad_gid) = test_user("firn-test-denied");
     // Both users can reach the socket file (group + mode), only one is allowed.
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
-        &["--round", "1", "--allow-uid", &uid.to_string()],
-    );
-    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
-    let mut denied = start_dump(&sock, Some((bad_uid, bad_gid)), &[]);
+    let mut sampler = SamplerRun::start("peer", &["--round", "1", "--allow-uid", &uid.to_string()]);
+    std::fs::set_permissions(
+        &sampler.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    let mut denied = sampler.dump_as((bad_uid, bad_gid), &[]);
     assert!(
         sampler.wait_for("peer not allowed", 10 * SECS).is_some(),
         "denied peer not logged"
@@ -344,7 +329,7 @@ fn peer_credentials_are_checked() {
         "a denied peer received batches"
     );
     denied.stop();
-    let allowed = start_dump(&sock, Some((uid, gid)), &[]);
+    let allowed = sampler.dump_as((uid, gid), &[]);
     let got = wait_batches(&allowed, 2, 10 * SECS);
     assert!(got.len() >= 2, "allowed uid received no batches");
     assert!(counter(got.last().unwrap(), "connections_refused_peer").unwrap() >= 1);
@@ -390,11 +375,8 @@ fn slow_absent_and_returning_subscribers() {
     if !can_run_bpf() {
         return;
     }
-    let dir = TempDir::new("slow");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(
-        &bin("firn-sampler"),
-        &sock,
+    let mut sampler = SamplerRun::start(
+        "slow",
         &["--round", "1", "--frequency", "999", "--queue-batches", "2"],
     );
     // Load so batches have weight.
@@ -403,7 +385,7 @@ fn slow_absent_and_returning_subscribers() {
     std::thread::sleep(4 * SECS);
     let rss_idle = rss_kib(sampler.pid()).unwrap();
     // A subscriber that stops reading (SIGSTOP): its queue fills, oldest batches drop.
-    let slow = start_dump(&sock, None, &[]);
+    let slow = sampler.dump(&[]);
     wait_batches(&slow, 1, 10 * SECS);
     slow.signal(nix::sys::signal::Signal::SIGSTOP);
     let mut peak = 0;
@@ -433,7 +415,7 @@ fn slow_absent_and_returning_subscribers() {
     );
     drop(slow);
     // A returning client receives the following rounds.
-    let again = start_dump(&sock, None, &[]);
+    let again = sampler.dump(&[]);
     let more = wait_batches(&again, 2, 10 * SECS);
     assert!(more.len() >= 2);
     assert!(more[0]["round"].as_u64().unwrap() > *rounds.last().unwrap());
@@ -465,17 +447,15 @@ fn clear_errors_for_bad_setup() {
     assert_eq!(code, Some(1));
     assert!(err.contains("does not exist"), "{err}");
 
-    let dir = TempDir::new("busy");
-    let sock = dir.path().join("s.sock");
-    let mut first = start_sampler(&bin("firn-sampler"), &sock, &[]);
-    let (code, err) = run(&["--socket", sock.to_str().unwrap()]);
+    let mut first = SamplerRun::start("busy", &[]);
+    let (code, err) = run(&["--socket", first.socket.to_str().unwrap()]);
     assert_eq!(code, Some(1));
     assert!(err.contains("in use"), "{err}");
     first.stop();
     // The confined sampler may not unlink: the stale socket stays, and the next start
     // replaces it.
-    assert!(sock.exists(), "socket file gone after SIGTERM");
-    let mut again = start_sampler(&bin("firn-sampler"), &sock, &[]);
+    assert!(first.socket.exists(), "socket file gone after SIGTERM");
+    let mut again = start_sampler(&bin("firn-sampler"), &first.socket, &[]);
     again.stop();
 
     // Not root: the missing capabilities are named.
@@ -498,9 +478,8 @@ fn clear_errors_for_bad_setup() {
     );
 
     // Protocol mismatch: clear on both sides.
-    let sock = dir.path().join("v.sock");
-    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &[]);
-    let mut client = start_dump(&sock, None, &["--protocol-version", "99"]);
+    let mut sampler = SamplerRun::start("version", &[]);
+    let mut client = sampler.dump(&["--protocol-version", "99"]);
     let status = client
         .wait_exit(10 * SECS)
         .expect("client exits on mismatch");
@@ -513,7 +492,7 @@ fn clear_errors_for_bad_setup() {
         .wait_for("another protocol version", 5 * SECS)
         .is_some());
     // And the sampler keeps serving others.
-    let ok = start_dump(&sock, None, &[]);
+    let ok = sampler.dump(&[]);
     assert!(ok.wait_for("\"connected\"", 10 * SECS).is_some());
     sampler.stop();
 }
@@ -524,13 +503,11 @@ fn garbage_from_a_peer_closes_only_that_connection() {
         return;
     }
     use std::io::{Read, Write};
-    let dir = TempDir::new("garbage");
-    let sock = dir.path().join("s.sock");
-    let mut sampler = start_sampler(&bin("firn-sampler"), &sock, &["--round", "1"]);
-    let good = start_dump(&sock, None, &[]);
+    let mut sampler = SamplerRun::start("garbage", &["--round", "1"]);
+    let good = sampler.dump(&[]);
     assert!(good.wait_for("\"connected\"", 10 * SECS).is_some());
     // Not a Cap'n Proto message: a segment table claiming 2^31 segments.
-    let mut bad = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut bad = std::os::unix::net::UnixStream::connect(&sampler.socket).unwrap();
     bad.set_read_timeout(Some(10 * SECS)).unwrap();
     bad.write_all(&[0xff; 64]).unwrap();
     let mut buf = [0u8; 64];

@@ -1,0 +1,148 @@
+//! Reading what firn wrote: the round indexes, its HTTP endpoint, and pprof files
+//! through `go tool pprof`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::repo_root;
+
+/// Every (file, labels) of every round's index.jsonl under `out`.
+pub fn index_entries(out: &Path) -> Vec<(PathBuf, Value)> {
+    index_records(out)
+        .into_iter()
+        .map(|(f, e)| (f, e["labels"].clone()))
+        .collect()
+}
+
+/// Every (file, whole index line) of every round under `out`: labels, samples,
+/// session_id, round, start_ns, end_ns.
+pub fn index_records(out: &Path) -> Vec<(PathBuf, Value)> {
+    let mut v = Vec::new();
+    let Ok(rd) = std::fs::read_dir(out) else {
+        return v;
+    };
+    let mut dirs: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect();
+    dirs.sort();
+    for d in dirs {
+        let Ok(text) = std::fs::read_to_string(d.join("index.jsonl")) else {
+            continue;
+        };
+        for line in text.lines() {
+            if let Ok(e) = serde_json::from_str::<Value>(line) {
+                if let Some(f) = e["file"].as_str() {
+                    v.push((d.join(f), e.clone()));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A minimal HTTP/1.1 GET on loopback: (status, body).
+pub fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return (0, Vec::new());
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+    let _ = write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    );
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    let Some(split) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return (0, buf);
+    };
+    let head = String::from_utf8_lossy(&buf[..split]).to_string();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let mut body = buf[split + 4..].to_vec();
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        body = dechunk(&body);
+    }
+    (status, body)
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(nl) = b.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&b[..nl]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        let start = nl + 2;
+        out.extend_from_slice(&b[start..(start + size).min(b.len())]);
+        b = &b[(start + size + 2).min(b.len())..];
+    }
+    out
+}
+
+/// `go tool pprof ARGS FILES…` (Debian's golang-go): the reference pprof reader.
+pub fn go_pprof(args: &[&str], files: &[PathBuf]) -> String {
+    let cache = repo_root().join("target/go-cache");
+    let out = Command::new("go")
+        .arg("tool")
+        .arg("pprof")
+        .args(args)
+        .args(files)
+        .env("GOCACHE", &cache)
+        .env("GOPATH", repo_root().join("target/go-path"))
+        .env("HOME", repo_root().join("target"))
+        .output()
+        .expect("go (apt-get install golang-go)");
+    assert!(
+        out.status.success(),
+        "go tool pprof failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// `-traces` output as (count, frames leaf first).
+pub fn parse_traces(text: &str) -> Vec<(u64, Vec<String>)> {
+    let mut out: Vec<(u64, Vec<String>)> = Vec::new();
+    for block in text.split("-----------+-------------------------------------------------------") {
+        let mut cur: Option<(u64, Vec<String>)> = None;
+        for line in block.lines() {
+            // Label lines look like "       pid:  123"; frame lines are indented
+            // past the count column.
+            let t = line.trim();
+            if t.is_empty() || (line.len() > 11 && line[..11].contains(':')) {
+                continue;
+            }
+            if let Some((n, f)) = t.split_once(char::is_whitespace) {
+                if let Ok(n) = n.trim().parse::<u64>() {
+                    cur = Some((n, vec![f.trim().to_string()]));
+                    continue;
+                }
+            }
+            if let Some(c) = cur.as_mut() {
+                c.1.push(t.to_string());
+            }
+        }
+        if let Some(c) = cur {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The stacks of pprof `files` as (samples, frames leaf first), read by `go tool pprof`.
+pub fn traces(files: &[PathBuf]) -> Vec<(u64, Vec<String>)> {
+    assert!(!files.is_empty(), "no profiles");
+    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
+}
