@@ -15,6 +15,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
+use firn_schema::now_ns;
 
 use crate::enrich::Round;
 use crate::metrics::Metrics;
@@ -101,8 +102,6 @@ impl Shared {
     }
 }
 
-use firn_schema::now_ns;
-
 pub fn router(state: Arc<Shared>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
@@ -111,7 +110,17 @@ pub fn router(state: Arc<Shared>) -> Router {
         .route("/profiles/{id}", get(one))
         .route("/pprof/cpu", get(host_cpu))
         .route("/debug/pprof/profile", get(self_profile))
+        .route("/symbolz", get(symbolz).post(symbolz))
         .with_state(state)
+}
+
+/// `go tool pprof URL` asks the server of a profile to name the frames the profile left
+/// as addresses (remote symbolization, POST of addresses; a 404 made it exit 1). The
+/// enricher already named every frame it could, so it answers that it knows no more
+/// (gperftools' `num_symbols: 0`, and no symbol lines): pprof keeps those addresses.
+async fn symbolz(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    ([(header::CONTENT_TYPE, "text/plain")], "num_symbols: 0\n").into_response()
 }
 
 fn count(s: &Shared) {
