@@ -289,3 +289,60 @@ fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usi
     k.next_refresh = round + k.backoff;
     read
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn child() -> std::process::Child {
+        std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep")
+    }
+
+    #[test]
+    fn a_spent_round_budget_defers_reads_to_the_next_round() {
+        let c = Counters::default();
+        let mut kids = [child(), child()];
+        let pids: Vec<u32> = kids.iter().map(std::process::Child::id).collect();
+        let starts: Vec<u64> = pids
+            .iter()
+            .map(|&p| procfs::start_ns_of(p).expect("a live child"))
+            .collect();
+        // One byte a round: the first read spends it.
+        let mut t = ProcessTable::with_budgets(1, MAX_TABLE_BYTES);
+        let a = t.observe(pids[0], starts[0], b"sleep", &[], 1, &c);
+        let b = t.observe(pids[1], starts[1], b"sleep", &[], 1, &c);
+        assert!(t.get(pids[0], starts[0]).unwrap().record.complete);
+        let deferred = t.get(pids[1], starts[1]).unwrap();
+        assert!(!deferred.record.complete);
+        assert_eq!(deferred.record.comm, b"sleep");
+        assert_eq!(c.process_reads_deferred.get(), 1);
+        // The next round reads it: same id, a new version for subscribers.
+        t.begin_round();
+        assert_eq!(t.observe(pids[1], starts[1], b"sleep", &[], 2, &c), b);
+        let read = t.get(pids[1], starts[1]).unwrap();
+        assert!(read.record.complete);
+        assert_eq!(read.version, 2);
+        assert_ne!(a, b);
+        assert_eq!(c.processes_read.get(), 2);
+        for k in &mut kids {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+
+    #[test]
+    fn the_table_keeps_to_its_bytes() {
+        let c = Counters::default();
+        // Room for about one placeholder record: each new process pushes out the oldest.
+        let mut t = ProcessTable::with_budgets(0, 200);
+        for (round, pid) in (1..=5u64).zip(u32::MAX - 5..) {
+            t.observe(pid, 1, b"gone", &[], round, &c);
+        }
+        assert_eq!(t.len(), 1);
+        assert!(t.get(u32::MAX - 1, 1).is_some(), "the newest stays");
+        assert_eq!(c.processes_evicted_bytes.get(), 4);
+    }
+}

@@ -176,6 +176,14 @@ pub fn read_mappings(pid: u32) -> Result<(Vec<Mapping>, usize), ProcError> {
     read_maps(&dir, pid)
 }
 
+/// The start time of `pid` as the BPF program reports it (boot-time ns, at the clock
+/// tick's precision), for tests that observe real processes.
+#[cfg(test)]
+pub(crate) fn start_ns_of(pid: u32) -> Option<u64> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    Some(parse_stat(&stat)?.start_ticks * (1_000_000_000 / clock_ticks()))
+}
+
 /// Whether /proc/<pid> still belongs to the process that started at `start_ns`.
 pub fn is_alive(pid: u32, start_ns: u64) -> bool {
     let Ok(dir) = open_proc_dir(pid) else {
