@@ -47,7 +47,7 @@ fn session_id() -> u64 {
 }
 
 fn run(args: cli::Args) -> anyhow::Result<()> {
-    preflight::check()?;
+    preflight::check(args.user.is_some())?;
 
     let listening = match listen::from_systemd()? {
         Some(listener) => {

@@ -19,7 +19,8 @@ pub enum PreflightError {
     Caps(#[from] caps::errors::CapsError),
 }
 
-pub fn check() -> Result<(), PreflightError> {
+/// `switch_user`: whether `--user` was given (it then needs CAP_SETUID and CAP_SETGID).
+pub fn check(switch_user: bool) -> Result<(), PreflightError> {
     let eff = caps::read(None, CapSet::Effective)?;
     let mut missing = Vec::new();
     let admin = eff.contains(&Capability::CAP_SYS_ADMIN);
@@ -43,6 +44,13 @@ pub fn check() -> Result<(), PreflightError> {
     ] {
         if !eff.contains(&cap) {
             missing.push(format!("{cap} (to {why})"));
+        }
+    }
+    if switch_user {
+        for cap in [Capability::CAP_SETUID, Capability::CAP_SETGID] {
+            if !eff.contains(&cap) {
+                missing.push(format!("{cap} (to switch to --user)"));
+            }
         }
     }
     if !missing.is_empty() {

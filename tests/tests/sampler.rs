@@ -476,6 +476,20 @@ fn clear_errors_for_bad_setup() {
         err.contains("CAP_BPF") && err.contains("CAP_PERFMON"),
         "{err}"
     );
+    // With --user, the capabilities to switch are named too.
+    let out = Command::new("setpriv")
+        .args([
+            &format!("--reuid={uid}"),
+            &format!("--regid={gid}"),
+            "--clear-groups",
+        ])
+        .arg(bin("firn-sampler"))
+        .args(["--socket", "/tmp/never.sock", "--user", "nobody"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("CAP_SETUID (to switch to --user)"), "{err}");
 
     // Protocol mismatch: clear on both sides.
     let mut sampler = SamplerRun::start("version", &[]);

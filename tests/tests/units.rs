@@ -14,6 +14,13 @@ fn systemd_units_verify() {
         "firn-enricher.service",
     ] {
         let text = std::fs::read_to_string(repo_root().join("systemd").join(unit)).unwrap();
+        if unit == "firn-sampler.service" {
+            // It would drop CAP_SYSLOG from the bounding set: kernel frames [unknown].
+            assert!(
+                !text.contains("ProtectKernelLogs=yes"),
+                "{unit} must keep CAP_SYSLOG for /proc/kallsyms"
+            );
+        }
         // Point ExecStart at the freshly built binaries: verify checks that they exist.
         let text = text.replace("/usr/local/bin/", &format!("{}/", bins.display()));
         std::fs::write(dir.path().join(unit), text).unwrap();
