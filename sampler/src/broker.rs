@@ -249,20 +249,9 @@ mod tests {
     /// (what /proc/<pid>/maps showed before the path was covered).
     fn record_for(path: &std::path::Path, dev: u64, ino: u64) -> ProcessRecord {
         let me = std::process::id();
-        let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
-        let close = stat.iter().rposition(|&b| b == b')').unwrap();
-        let ticks: u64 = std::str::from_utf8(&stat[close + 2..])
-            .unwrap()
-            .split_whitespace()
-            .nth(19)
-            .unwrap()
-            .parse()
-            .unwrap();
-        // SAFETY: sysconf has no memory-safety preconditions.
-        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
         ProcessRecord {
             pid: me,
-            start_ns: ticks * (1_000_000_000 / hz),
+            start_ns: procfs::start_ns_of(me).expect("own start time"),
             mappings: vec![procfs::Mapping {
                 start: 0x1000,
                 end: 0x2000,

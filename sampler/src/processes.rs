@@ -154,7 +154,7 @@ impl ProcessTable {
             if k.deferred && self.read_left > 0 {
                 let (record, read) = read_record(tgid, start_ns, comm, counters);
                 self.read_left = self.read_left.saturating_sub(read);
-                self.bytes = self.bytes - k.record.wire_bytes() + record.wire_bytes();
+                self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
                 k.ranges = ranges_of(&record);
                 k.record = Rc::new(record);
                 k.version += 1;
@@ -166,7 +166,7 @@ impl ProcessTable {
                 let before = k.record.wire_bytes();
                 let read = refresh(k, round, counters, self.read_left);
                 self.read_left = self.read_left.saturating_sub(read);
-                self.bytes = self.bytes - before + k.record.wire_bytes();
+                self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
             }
             let id = k.id;
             self.shrink(counters);
@@ -236,7 +236,7 @@ impl ProcessTable {
             freed += k.record.wire_bytes();
             false
         });
-        self.bytes -= freed;
+        self.bytes = self.bytes.saturating_sub(freed);
         add(&counters.processes_forgotten, gone.len() as u64);
         gone
     }
@@ -244,7 +244,7 @@ impl ProcessTable {
     fn evict_oldest(&mut self, counters: &Counters) {
         if let Some((&key, _)) = self.by_pid.iter().min_by_key(|(_, k)| k.last_seen) {
             if let Some(k) = self.by_pid.remove(&key) {
-                self.bytes -= k.record.wire_bytes();
+                self.bytes = self.bytes.saturating_sub(k.record.wire_bytes());
             }
             bump(&counters.processes_forgotten);
         }

@@ -17,18 +17,24 @@ pub fn start_sampler(binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
 
 /// [`start_sampler`] under a wrapper command (e.g. `strace -f -o FILE`).
 pub fn start_sampler_under(wrapper: &[&str], binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
-    let mut cmd = match wrapper.split_first() {
-        Some((first, rest)) => {
-            let mut c = Command::new(first);
-            c.args(rest).arg(binary);
-            c
-        }
-        None => Command::new(binary),
-    };
-    cmd.arg("--socket")
-        .arg(socket)
-        .args(extra)
-        .env("FIRN_LOG", "info");
+    let mut argv = vec![
+        binary.display().to_string(),
+        "--socket".into(),
+        socket.display().to_string(),
+    ];
+    argv.extend(extra.iter().map(|s| s.to_string()));
+    spawn_sampler(wrapper, &argv)
+}
+
+/// Runs the sampler command line `argv` (under `wrapper`, if any); returns once it has
+/// confined itself.
+fn spawn_sampler(wrapper: &[&str], argv: &[String]) -> Proc {
+    let mut all = wrapper
+        .iter()
+        .map(|s| s.to_string())
+        .chain(argv.iter().cloned());
+    let mut cmd = Command::new(all.next().expect("a sampler command line"));
+    cmd.args(all).env("FIRN_LOG", "info");
     let p = Proc::spawn("sampler", cmd);
     assert!(
         p.wait_for(SAMPLER_READY, Duration::from_secs(30)).is_some(),
@@ -199,27 +205,7 @@ impl Firn {
     pub fn start_under(tag: &str, wrapper: &[&str], sampler_args: &[&str]) -> Firn {
         let dir = TempDir::new(tag);
         let plan = Plan::prepare(dir.path(), "firn-test", sampler_args);
-        let mut cmd = match wrapper.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).args(&plan.sampler);
-                c
-            }
-            None => {
-                let mut c = Command::new(&plan.sampler[0]);
-                c.args(&plan.sampler[1..]);
-                c
-            }
-        };
-        cmd.env("FIRN_LOG", "info");
-        let sampler = Proc::spawn("sampler", cmd);
-        assert!(
-            sampler
-                .wait_for(SAMPLER_READY, Duration::from_secs(30))
-                .is_some(),
-            "sampler did not finish setup: {:#?}",
-            sampler.lines()
-        );
+        let sampler = spawn_sampler(wrapper, &plan.sampler);
         let mut f = Firn {
             socket: plan.socket.clone(),
             out: plan.out.clone(),
@@ -257,16 +243,7 @@ impl Firn {
 
     /// Restarts the sampler with the same flags (after it was killed).
     pub fn restart_sampler(&mut self) {
-        let mut cmd = Command::new(&self.plan.sampler[0]);
-        cmd.args(&self.plan.sampler[1..]).env("FIRN_LOG", "info");
-        self.sampler = Proc::spawn("sampler", cmd);
-        assert!(
-            self.sampler
-                .wait_for(SAMPLER_READY, Duration::from_secs(30))
-                .is_some(),
-            "sampler did not finish setup: {:#?}",
-            self.sampler.lines()
-        );
+        self.sampler = spawn_sampler(&[], &self.plan.sampler);
     }
 
     /// Profile files (all rounds) whose index labels have pid == `pid`.

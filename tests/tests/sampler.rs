@@ -460,35 +460,32 @@ fn clear_errors_for_bad_setup() {
 
     // Not root: the missing capabilities are named.
     let (uid, gid) = test_user("firn-test");
-    let out = Command::new("setpriv")
-        .args([
-            &format!("--reuid={uid}"),
-            &format!("--regid={gid}"),
-            "--clear-groups",
-        ])
-        .arg(bin("firn-sampler"))
-        .args(["--socket", "/tmp/never.sock"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
+    let unprivileged = |extra: &[&str]| {
+        let out = Command::new("setpriv")
+            .args([
+                &format!("--reuid={uid}"),
+                &format!("--regid={gid}"),
+                "--clear-groups",
+            ])
+            .arg(bin("firn-sampler"))
+            .args(["--socket", "/tmp/never.sock"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, err) = unprivileged(&[]);
+    assert_eq!(code, Some(1));
     assert!(
         err.contains("CAP_BPF") && err.contains("CAP_PERFMON"),
         "{err}"
     );
     // With --user, the capabilities to switch are named too.
-    let out = Command::new("setpriv")
-        .args([
-            &format!("--reuid={uid}"),
-            &format!("--regid={gid}"),
-            "--clear-groups",
-        ])
-        .arg(bin("firn-sampler"))
-        .args(["--socket", "/tmp/never.sock", "--user", "nobody"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1));
+    let (code, err) = unprivileged(&["--user", "nobody"]);
+    assert_eq!(code, Some(1));
     assert!(err.contains("CAP_SETUID (to switch to --user)"), "{err}");
 
     // Protocol mismatch: clear on both sides.
