@@ -30,6 +30,16 @@ pub enum AttachError {
     PerfOpen { cpu: u32, errno: nix::errno::Errno },
     #[error("attaching the BPF program to cpu {cpu}: {source}")]
     Attach { cpu: u32, source: libbpf_rs::Error },
+    #[error(
+        "attaching to the sched_process_{what} tracepoint: {source}. firn needs raw \
+         tracepoints (Linux 4.17+) and CAP_BPF + CAP_PERFMON (or root)"
+    )]
+    Tracepoint {
+        what: &'static str,
+        source: libbpf_rs::Error,
+    },
+    #[error("setting up the process event ring buffer ({kib} KiB): {source}")]
+    Events { kib: u32, source: libbpf_rs::Error },
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
@@ -37,6 +47,9 @@ pub struct Sampling {
     pub skel: ProfileSkel<'static>,
     links: Vec<Link>,
     cpus: Vec<u32>,
+    /// The exec and exit hooks.
+    _hooks: [Link; 2],
+    pub events: crate::events::Events,
 }
 
 impl crate::rounds::MapSets for Sampling {
@@ -66,6 +79,24 @@ impl crate::rounds::MapSets for Sampling {
     fn cpus(&self) -> &[u32] {
         &self.cpus
     }
+
+    fn forget_announced(&mut self, keys: &[crate::processes::ProcKey]) {
+        use libbpf_rs::MapCore;
+        for k in keys {
+            let id = firn_sampler_bpf::types::firn_proc_id {
+                tgid: k.tgid,
+                exec_id: k.exec_id,
+                start_ns: k.start_ns,
+            };
+            // SAFETY: firn_proc_id is plain integers without padding (4 + 4 + 8 bytes);
+            // viewing it as bytes is sound.
+            let bytes = unsafe {
+                std::slice::from_raw_parts((&raw const id).cast::<u8>(), std::mem::size_of_val(&id))
+            };
+            // Absent already (evicted by the LRU, or ended): nothing to undo.
+            let _ = self.skel.maps.seen.delete(bytes);
+        }
+    }
 }
 
 impl Sampling {
@@ -79,15 +110,45 @@ impl Sampling {
     }
 }
 
-pub fn load_and_attach(frequency: u32) -> Result<Sampling, AttachError> {
+/// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
+/// two, at least one page) and attaches it to every online CPU and to exec and exit.
+pub fn load_and_attach(frequency: u32, events_kib: u32) -> Result<Sampling, AttachError> {
     // The skeleton borrows its object storage for its whole life; the sampler keeps the
     // program until exit, so the storage lives as long as the process.
     let storage: &'static mut MaybeUninit<libbpf_rs::OpenObject> =
         Box::leak(Box::new(MaybeUninit::uninit()));
-    let open = ProfileSkelBuilder::default()
+    let mut open = ProfileSkelBuilder::default()
         .open(storage)
         .map_err(AttachError::Load)?;
+    open.maps
+        .events
+        .set_max_entries(events_kib.saturating_mul(1024))
+        .map_err(|source| AttachError::Events {
+            kib: events_kib,
+            source,
+        })?;
     let skel = open.load().map_err(AttachError::Load)?;
+    let hooks = [
+        skel.progs
+            .firn_exec
+            .attach()
+            .map_err(|source| AttachError::Tracepoint {
+                what: "exec",
+                source,
+            })?,
+        skel.progs
+            .firn_exit
+            .attach()
+            .map_err(|source| AttachError::Tracepoint {
+                what: "exit",
+                source,
+            })?,
+    ];
+    let events =
+        crate::events::Events::new(&skel.maps.events).map_err(|source| AttachError::Events {
+            kib: events_kib,
+            source,
+        })?;
 
     let cpus = online_cpus().map_err(AttachError::CpuList)?;
     let mut links = Vec::with_capacity(cpus.len());
@@ -105,7 +166,13 @@ pub fn load_and_attach(frequency: u32) -> Result<Sampling, AttachError> {
             })?;
         links.push(link);
     }
-    Ok(Sampling { skel, links, cpus })
+    Ok(Sampling {
+        skel,
+        links,
+        cpus,
+        _hooks: hooks,
+        events,
+    })
 }
 
 fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {

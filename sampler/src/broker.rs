@@ -30,16 +30,29 @@ use nix::fcntl::{openat, OFlag};
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use nix::sys::stat::{fstat, Mode, SFlag};
 
-use crate::procfs::{self, ProcError, ProcessRecord};
+use crate::handles::Handles;
+use crate::procfs::{self, Mapping, ProcError, ProcessRecord};
 
 /// Opens mapping `index` of `record`, checking that it is still the file that was mapped.
-pub fn open_mapping(record: &ProcessRecord, index: usize) -> Result<OwnedFd, Refusal> {
+/// A handle taken while the process lived ([`Handles`]) is used first: it reaches the
+/// file after the process exited. Otherwise the path is walked in the live process's
+/// root.
+pub fn open_mapping(
+    record: &ProcessRecord,
+    index: usize,
+    handles: &mut Handles,
+    c: &crate::counters::Counters,
+) -> Result<OwnedFd, Refusal> {
     let m = record.mappings.get(index).ok_or(Refusal::UnknownMapping)?;
     if m.path.ends_with(b" (deleted)") {
         return Err(Refusal::Deleted);
     }
     if m.path.first() != Some(&b'/') {
         return Err(Refusal::NotRegularFile);
+    }
+    if let Some(opened) = handles.open(crate::handles::file_id(m)) {
+        crate::counters::bump(&c.broker_opened_from_handle);
+        return opened;
     }
     let dir = procfs::open_verified(record.pid, record.start_ns).map_err(|e| match e {
         ProcError::Gone { .. } | ProcError::Reused { .. } => Refusal::ProcessGone,
@@ -52,16 +65,21 @@ pub fn open_mapping(record: &ProcessRecord, index: usize) -> Result<OwnedFd, Ref
         Mode::empty(),
     )
     .map_err(|_| Refusal::ProcessGone)?;
-    let handle = resolve_in_root(&root, &m.path)?;
+    reopen_read_only(&checked_handle(&root, m)?)
+}
+
+/// An `O_PATH` handle of `m`'s path resolved inside `root`, once it is a regular file
+/// with the mapping's device and inode.
+pub fn checked_handle(root: &OwnedFd, m: &Mapping) -> Result<OwnedFd, Refusal> {
+    let handle = resolve_in_root(root, &m.path)?;
     let st = fstat(handle.as_fd()).map_err(|_| Refusal::OpenFailed)?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
         return Err(Refusal::NotRegularFile);
     }
-    let dev = libc::makedev(m.dev_major, m.dev_minor);
-    if st.st_dev != dev || st.st_ino != m.inode {
+    if (st.st_dev, st.st_ino) != crate::handles::file_id(m) {
         return Err(Refusal::IdentityMismatch);
     }
-    reopen_read_only(&handle)
+    Ok(handle)
 }
 
 /// Opens the file an `O_PATH` handle pins, read-only. The caller has checked its type.
@@ -300,7 +318,10 @@ mod tests {
             let meta = std::fs::symlink_metadata(path).unwrap();
             let record = record_for(path, meta.dev(), meta.ino());
             assert!(
-                matches!(open_mapping(&record, 0), Err(Refusal::NotRegularFile)),
+                matches!(
+                    open_mapping(&record, 0, &mut Handles::new(0), &Default::default()),
+                    Err(Refusal::NotRegularFile)
+                ),
                 "{} was not refused as not a regular file",
                 path.display()
             );
@@ -310,7 +331,7 @@ mod tests {
             symlink(path, &link).unwrap();
             let record = record_for(&link, meta.dev(), meta.ino());
             assert!(matches!(
-                open_mapping(&record, 0),
+                open_mapping(&record, 0, &mut Handles::new(0), &Default::default()),
                 Err(Refusal::NotRegularFile)
             ));
         }

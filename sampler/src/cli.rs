@@ -54,6 +54,20 @@ pub struct Args {
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub write_stall_seconds: u64,
 
+    /// Size of the ring buffer of process events, in KiB (a power of two, 4–65536). The
+    /// BPF program announces each process's first sample (and the exec and exit of
+    /// announced ones) there, 48 bytes each, so that the sampler reads /proc while the
+    /// process still runs. When it is full, events are lost (counted as
+    /// bpf_events_lost) and the process is announced by its next sample instead.
+    #[arg(long, default_value_t = 256, value_parser = events_kib)]
+    pub events_buffer_kib: u32,
+
+    /// Handles of recently mapped files kept so that binaries of exited processes can
+    /// still be brokered (0–65536; each is one file descriptor; fewer if RLIMIT_NOFILE's
+    /// hard limit is lower). 0: only binaries of live processes are brokered.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(0..=65_536))]
+    pub binary_handles: u32,
+
     /// After setup, run as this user (name or uid) instead of root, keeping only
     /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a
     /// compromised sampler. Binaries only root may reach (e.g. under a 0700 /root) can then
@@ -68,4 +82,15 @@ pub struct Args {
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
     pub log: String,
+}
+
+fn events_kib(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|e| format!("{e}"))?;
+    if !(4..=65_536).contains(&n) || !n.is_power_of_two() {
+        return Err(format!(
+            "{n} is not a power of two between 4 and 65536 (the kernel's ring buffer size \
+             must be a power-of-two multiple of the page size)"
+        ));
+    }
+    Ok(n)
 }

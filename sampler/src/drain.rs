@@ -47,6 +47,8 @@ pub struct RawSample {
     pub tgid: u32,
     pub tid: u32,
     pub start_ns: u64,
+    /// The process's exec count: samples before and after an exec differ here.
+    pub exec_id: u32,
     pub comm: [u8; COMM_LEN],
     pub user: StackRef,
     pub kernel: StackRef,
@@ -80,6 +82,7 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
         tgid: key.tgid,
         tid: key.tid,
         start_ns: key.start_ns,
+        exec_id: key.exec_id,
         user: stack(key.user_stack_id),
         kernel: stack(key.kern_stack_id),
         comm: key.comm.map(|c| c as u8),
@@ -236,17 +239,22 @@ mod tests {
             start_ns: 7_000_000_001,
             user_stack_id: 3,
             kern_stack_id: -libc::EFAULT,
+            exec_id: 5,
+            reserved: 0,
             comm,
         };
         let mut bytes = [0u8; KEY_SIZE];
         // SAFETY: `bytes` is exactly one Key long; copying a POD value into it.
         unsafe { std::ptr::write_unaligned(bytes.as_mut_ptr().cast(), key) };
         let s = parse_key(&bytes).expect("a whole key");
-        assert_eq!((s.tgid, s.tid, s.start_ns), (41, 42, 7_000_000_001));
+        assert_eq!(
+            (s.tgid, s.tid, s.start_ns, s.exec_id),
+            (41, 42, 7_000_000_001, 5)
+        );
         assert_eq!(s.user, StackRef::Id(3));
         assert_eq!(s.kernel, StackRef::Err(-libc::EFAULT));
         assert_eq!(&s.comm[..6], b"worker");
         assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());
-        assert_eq!(KEY_SIZE, 40);
+        assert_eq!(KEY_SIZE, 48);
     }
 }

@@ -8,6 +8,8 @@ pub mod counters;
 pub mod drain;
 pub mod drop;
 pub mod encode;
+pub mod events;
+pub mod handles;
 pub mod hub;
 pub mod kallsyms;
 pub mod listen;

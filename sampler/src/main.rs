@@ -2,7 +2,7 @@
 
 #[cfg(feature = "forbidden-probe")]
 use firn_sampler::probe;
-use firn_sampler::{attach, cli, drain, drop, hub, listen, preflight, serve};
+use firn_sampler::{attach, cli, drain, drop, handles, hub, listen, preflight, serve};
 use std::cell::Cell;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -78,7 +78,18 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         );
     }
 
-    let mut sampling = attach::load_and_attach(args.frequency)?;
+    let mut sampling = attach::load_and_attach(args.frequency, args.events_buffer_kib)?;
+    // Raised while setrlimit is still allowed: each handle is one fd.
+    let max_handles = handles::fit_to_fd_limit(args.binary_handles as usize);
+    if max_handles < args.binary_handles as usize {
+        tracing::warn!(
+            wanted = args.binary_handles,
+            kept = max_handles,
+            "RLIMIT_NOFILE leaves room for fewer binary handles; binaries of exited \
+             processes may not be brokered"
+        );
+    }
+    let handles = Rc::new(std::cell::RefCell::new(handles::Handles::new(max_handles)));
     {
         use libbpf_rs::MapCore;
         drain::check_layout(
@@ -111,13 +122,22 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the event loop")?;
-    let (listener, sigterm, sigint) = {
+    let (listener, sigterm, sigint, events_ready) = {
         let _guard = rt.enter();
         (
             tokio::net::UnixListener::from_std(listening.listener)
                 .context("registering the listening socket")?,
             signal(SignalKind::terminate()).context("SIGTERM handler")?,
             signal(SignalKind::interrupt()).context("SIGINT handler")?,
+            // SAFETY: the epoll fd belongs to the ring buffer in `sampling`, which is
+            // dropped only after the event loop (and this AsyncFd) has ended.
+            unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(
+                    sampling.events.fd(),
+                    tokio::io::Interest::READABLE,
+                )
+            }
+            .map_err(|e| anyhow::anyhow!("registering the process event ring buffer: {e}"))?,
         )
     };
 
@@ -143,8 +163,12 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         connections: Cell::new(0),
         max_connections: args.max_connections,
         write_stall_limit: Duration::from_secs(args.write_stall_seconds),
+        handles: handles.clone(),
     });
-    let rounds = Rounds::new(ProcessTable::default(), firn_schema::now_ns());
+    let rounds = Rounds::new(
+        ProcessTable::default().with_handles(handles),
+        firn_schema::now_ns(),
+    );
     let local = tokio::task::LocalSet::new();
     let ended = local.block_on(&rt, async {
         tokio::task::spawn_local(serve::accept_loop(listener, shared.clone(), allow));
@@ -154,6 +178,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
             &mut sampling,
             &kallsyms,
             rounds,
+            events_ready,
             (sigterm, sigint),
         )
         .await

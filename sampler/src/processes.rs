@@ -1,17 +1,25 @@
-//! The table of processes seen in samples: one record per (pid, start time), read from
-//! /proc the first time a process shows up, refreshed when a frame falls outside its
-//! executable mappings (dlopen), forgotten once it has exited.
+//! The table of processes seen in samples: one record per (pid, start time, exec
+//! count), read from /proc when the BPF program announces the process (its first
+//! sample) or, failing that, when its samples are assembled; refreshed when a frame
+//! falls outside its executable mappings (dlopen); kept after exec or exit until the
+//! rounds carrying its last samples have been sent, then forgotten.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::counters::{add, bump, Counters};
+use crate::handles::Handles;
 use crate::procfs::{self, ProcError, ProcessRecord};
 
 /// Processes kept at most; past it the least recently seen is forgotten.
 const MAX_PROCESSES: usize = 32_768;
 /// Rounds without a sample after which a process is checked for exit.
 const IDLE_ROUNDS: u64 = 6;
+/// Rounds a process's record outlives the round in which it exec'd or exited: that
+/// round carries its last samples, and the next gives a slow subscriber time to ask for
+/// its binaries.
+const ENDED_ROUNDS: u64 = 2;
 /// Longest wait, in rounds, between two mapping refreshes that changed nothing (JIT
 /// code and the vDSO lie outside every file mapping forever).
 const MAX_REFRESH_BACKOFF: u64 = 64;
@@ -21,6 +29,24 @@ const MAX_REFRESH_BACKOFF: u64 = 64;
 pub const ROUND_READ_BUDGET: usize = 64 << 20;
 /// Record bytes the table holds at most; past it the least recently seen is forgotten.
 pub const MAX_TABLE_BYTES: usize = 96 << 20;
+
+/// One process as the BPF program tells them apart: a reused pid has another start
+/// time, an exec another exec count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct ProcKey {
+    pub tgid: u32,
+    pub start_ns: u64,
+    pub exec_id: u32,
+}
+
+/// How a process's program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// It exec'd another program: /proc now describes that one.
+    Exec,
+    /// Its last thread exited.
+    Exit,
+}
 
 pub struct Known {
     pub id: u64,
@@ -33,6 +59,8 @@ pub struct Known {
     backoff: u64,
     /// Not read yet: the round's read budget was spent when it was first seen.
     deferred: bool,
+    /// The round in progress when it exec'd or exited: /proc no longer describes it.
+    ended: Option<u64>,
 }
 
 impl Known {
@@ -48,10 +76,10 @@ fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
     r
 }
 
-/// Keyed by (pid, start time): within one round a pid can name two processes (reuse),
-/// whose samples arrive interleaved; each keeps its own record and id.
+/// Keyed by [`ProcKey`]: within one round a pid can name two processes (reuse) or two
+/// programs (exec), whose samples arrive interleaved; each keeps its own record and id.
 pub struct ProcessTable {
-    by_pid: HashMap<(u32, u64), Known>,
+    by_key: HashMap<ProcKey, Known>,
     next_id: u64,
     /// Record bytes held (sum of `wire_bytes`).
     bytes: usize,
@@ -59,6 +87,9 @@ pub struct ProcessTable {
     read_left: usize,
     round_budget: usize,
     max_bytes: usize,
+    handles: Rc<RefCell<Handles>>,
+    /// Processes forgotten while the BPF program may still count them as announced.
+    unseen: Vec<ProcKey>,
 }
 
 impl Default for ProcessTable {
@@ -68,14 +99,16 @@ impl Default for ProcessTable {
 }
 
 /// The record read from /proc, trimmed to its bound, or a placeholder of BPF facts.
+/// Handles of its mapped files are taken while the process can still be reached.
 fn read_record(
-    tgid: u32,
-    start_ns: u64,
+    key: ProcKey,
     comm: &[u8],
+    handles: &RefCell<Handles>,
     counters: &Counters,
 ) -> (ProcessRecord, usize) {
-    match procfs::read_process(tgid, start_ns) {
-        Ok((mut r, read)) => {
+    let (tgid, start_ns) = (key.tgid, key.start_ns);
+    match procfs::read_process_at(tgid, start_ns) {
+        Ok((mut r, read, dir)) => {
             bump(&counters.processes_read);
             if r.trim_to(procfs::MAX_RECORD_BYTES) {
                 bump(&counters.process_records_trimmed);
@@ -86,6 +119,7 @@ fn read_record(
                     "process record over its byte bound; mappings past it left out"
                 );
             }
+            handles.borrow_mut().take(&dir, &r.mappings, counters);
             (r, read)
         }
         Err(e) => {
@@ -123,18 +157,50 @@ impl ProcessTable {
     /// `max_bytes` of records.
     pub fn with_budgets(round_budget: usize, max_bytes: usize) -> Self {
         Self {
-            by_pid: HashMap::new(),
+            by_key: HashMap::new(),
             next_id: 0,
             bytes: 0,
             read_left: round_budget,
             round_budget,
             max_bytes,
+            handles: Rc::new(RefCell::new(Handles::new(0))),
+            unseen: Vec::new(),
         }
     }
 
-    /// Starts a round: the /proc read budget is full again.
-    pub fn begin_round(&mut self) {
+    /// Takes handles of mapped files into `handles` (shared with the broker).
+    pub fn with_handles(mut self, handles: Rc<RefCell<Handles>>) -> Self {
+        self.handles = handles;
+        self
+    }
+
+    /// Starts a round: the /proc read budget is full again, and handles unused for a
+    /// while are closed.
+    pub fn begin_round(&mut self, round: u64, counters: &Counters) {
         self.read_left = self.round_budget;
+        self.handles.borrow_mut().end_round(round, counters);
+    }
+
+    /// A process the BPF program announced (its first sample), while round `round` is in
+    /// progress: read from /proc now, while it still runs.
+    pub fn discover(&mut self, key: ProcKey, comm: &[u8], round: u64, counters: &Counters) {
+        if let Some(k) = self.by_key.get_mut(&key) {
+            k.last_seen = k.last_seen.max(round);
+            return;
+        }
+        if self.read_left > 0 {
+            bump(&counters.processes_read_early);
+        }
+        self.insert(key, comm, round, counters);
+    }
+
+    /// A process the BPF program saw exec or exit while round `round` was in progress.
+    pub fn ended(&mut self, key: ProcKey, how: Ending, round: u64) {
+        if let Some(k) = self.by_key.get_mut(&key) {
+            k.ended = Some(round);
+            k.last_seen = k.last_seen.max(round);
+            tracing::debug!(pid = key.tgid, ?how, round, "process ended");
+        }
     }
 
     /// Identifies the process of a sample, reading /proc the first time it is seen (or,
@@ -142,17 +208,20 @@ impl ProcessTable {
     /// `comm` is the BPF-seen thread comm, used when /proc cannot be read.
     pub fn observe(
         &mut self,
-        tgid: u32,
-        start_ns: u64,
+        key: ProcKey,
         comm: &[u8],
         user: &[u64],
         round: u64,
         counters: &Counters,
     ) -> u64 {
-        if let Some(k) = self.by_pid.get_mut(&(tgid, start_ns)) {
-            k.last_seen = round;
+        let Some(k) = self.by_key.get_mut(&key) else {
+            return self.insert(key, comm, round, counters);
+        };
+        k.last_seen = k.last_seen.max(round);
+        // Once ended, /proc describes another program or nothing: the record stays.
+        if k.ended.is_none() {
             if k.deferred && self.read_left > 0 {
-                let (record, read) = read_record(tgid, start_ns, comm, counters);
+                let (record, read) = read_record(key, comm, &self.handles, counters);
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
                 k.ranges = ranges_of(&record);
@@ -168,29 +237,32 @@ impl ProcessTable {
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
             }
-            let id = k.id;
-            self.shrink(counters);
-            return id;
         }
+        let id = k.id;
+        self.shrink(counters);
+        id
+    }
+
+    fn insert(&mut self, key: ProcKey, comm: &[u8], round: u64, counters: &Counters) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         let (record, deferred) = if self.read_left > 0 {
-            let (record, read) = read_record(tgid, start_ns, comm, counters);
+            let (record, read) = read_record(key, comm, &self.handles, counters);
             self.read_left = self.read_left.saturating_sub(read);
             (record, false)
         } else {
             bump(&counters.process_reads_deferred);
             tracing::warn!(
-                pid = tgid,
+                pid = key.tgid,
                 budget_bytes = self.round_budget,
                 "this round's /proc read budget is spent; process read in a later round"
             );
-            (placeholder(tgid, start_ns, comm), true)
+            (placeholder(key.tgid, key.start_ns, comm), true)
         };
         self.bytes += record.wire_bytes();
         let known = Known {
             id,
-            start_ns,
+            start_ns: key.start_ns,
             version: 1,
             ranges: ranges_of(&record),
             record: Rc::new(record),
@@ -198,39 +270,49 @@ impl ProcessTable {
             next_refresh: round + 1,
             backoff: 1,
             deferred,
+            ended: None,
         };
-        if self.by_pid.len() >= MAX_PROCESSES {
+        if self.by_key.len() >= MAX_PROCESSES {
             self.evict_oldest(counters);
         }
-        self.by_pid.insert((tgid, start_ns), known);
+        self.by_key.insert(key, known);
         self.shrink(counters);
         id
     }
 
     /// Forgets the least recently seen processes while the table is over its bytes.
     fn shrink(&mut self, counters: &Counters) {
-        while self.bytes > self.max_bytes && self.by_pid.len() > 1 {
+        while self.bytes > self.max_bytes && self.by_key.len() > 1 {
             self.evict_oldest(counters);
             bump(&counters.processes_evicted_bytes);
         }
     }
 
-    pub fn get(&self, tgid: u32, start_ns: u64) -> Option<&Known> {
-        self.by_pid.get(&(tgid, start_ns))
+    pub fn get(&self, key: ProcKey) -> Option<&Known> {
+        self.by_key.get(&key)
     }
 
-    /// Forgets processes that have not been sampled for a while and have exited.
+    /// Forgets processes whose last samples have been sent: those that ended
+    /// [`ENDED_ROUNDS`] ago, and those not sampled for a while that have exited.
     /// Returns the ids forgotten, so subscribers can forget them too.
     pub fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
         let mut gone = Vec::new();
         let mut freed = 0;
-        self.by_pid.retain(|&(pid, _), k| {
-            if round.saturating_sub(k.last_seen) < IDLE_ROUNDS {
-                return true;
-            }
-            if k.record.complete && procfs::is_alive(pid, k.start_ns) {
-                k.last_seen = round;
-                return true;
+        let unseen = &mut self.unseen;
+        self.by_key.retain(|key, k| {
+            match k.ended {
+                Some(at) if round >= at + ENDED_ROUNDS => {}
+                Some(_) => return true,
+                None => {
+                    if round.saturating_sub(k.last_seen) < IDLE_ROUNDS {
+                        return true;
+                    }
+                    if k.record.complete && procfs::is_alive(key.tgid, k.start_ns) {
+                        k.last_seen = round;
+                        return true;
+                    }
+                    unseen.push(*key);
+                }
             }
             gone.push(k.id);
             freed += k.record.wire_bytes();
@@ -241,21 +323,30 @@ impl ProcessTable {
         gone
     }
 
+    /// Processes forgotten that the BPF program may still hold as announced (so that it
+    /// announces them again if they are sampled again).
+    pub fn take_unseen(&mut self) -> Vec<ProcKey> {
+        std::mem::take(&mut self.unseen)
+    }
+
     fn evict_oldest(&mut self, counters: &Counters) {
-        if let Some((&key, _)) = self.by_pid.iter().min_by_key(|(_, k)| k.last_seen) {
-            if let Some(k) = self.by_pid.remove(&key) {
+        if let Some((&key, _)) = self.by_key.iter().min_by_key(|(_, k)| k.last_seen) {
+            if let Some(k) = self.by_key.remove(&key) {
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes());
+                if k.ended.is_none() {
+                    self.unseen.push(key);
+                }
             }
             bump(&counters.processes_forgotten);
         }
     }
 
     pub fn len(&self) -> usize {
-        self.by_pid.len()
+        self.by_key.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.by_pid.is_empty()
+        self.by_key.is_empty()
     }
 }
 
@@ -312,17 +403,26 @@ mod tests {
             .collect();
         // One byte a round: the first read spends it.
         let mut t = ProcessTable::with_budgets(1, MAX_TABLE_BYTES);
-        let a = t.observe(pids[0], starts[0], b"sleep", &[], 1, &c);
-        let b = t.observe(pids[1], starts[1], b"sleep", &[], 1, &c);
-        assert!(t.get(pids[0], starts[0]).unwrap().record.complete);
-        let deferred = t.get(pids[1], starts[1]).unwrap();
+        let keys: Vec<ProcKey> = pids
+            .iter()
+            .zip(&starts)
+            .map(|(&tgid, &start_ns)| ProcKey {
+                tgid,
+                start_ns,
+                exec_id: 0,
+            })
+            .collect();
+        let a = t.observe(keys[0], b"sleep", &[], 1, &c);
+        let b = t.observe(keys[1], b"sleep", &[], 1, &c);
+        assert!(t.get(keys[0]).unwrap().record.complete);
+        let deferred = t.get(keys[1]).unwrap();
         assert!(!deferred.record.complete);
         assert_eq!(deferred.record.comm, b"sleep");
         assert_eq!(c.process_reads_deferred.get(), 1);
         // The next round reads it: same id, a new version for subscribers.
-        t.begin_round();
-        assert_eq!(t.observe(pids[1], starts[1], b"sleep", &[], 2, &c), b);
-        let read = t.get(pids[1], starts[1]).unwrap();
+        t.begin_round(2, &c);
+        assert_eq!(t.observe(keys[1], b"sleep", &[], 2, &c), b);
+        let read = t.get(keys[1]).unwrap();
         assert!(read.record.complete);
         assert_eq!(read.version, 2);
         assert_ne!(a, b);
@@ -339,10 +439,49 @@ mod tests {
         // Room for about one placeholder record: each new process pushes out the oldest.
         let mut t = ProcessTable::with_budgets(0, 200);
         for (round, pid) in (1..=5u64).zip(u32::MAX - 5..) {
-            t.observe(pid, 1, b"gone", &[], round, &c);
+            t.observe(key(pid, 0), b"gone", &[], round, &c);
         }
         assert_eq!(t.len(), 1);
-        assert!(t.get(u32::MAX - 1, 1).is_some(), "the newest stays");
+        assert!(t.get(key(u32::MAX - 1, 0)).is_some(), "the newest stays");
         assert_eq!(c.processes_evicted_bytes.get(), 4);
+        assert_eq!(
+            t.take_unseen().len(),
+            4,
+            "the BPF side is told to forget them"
+        );
+    }
+
+    fn key(tgid: u32, exec_id: u32) -> ProcKey {
+        ProcKey {
+            tgid,
+            start_ns: 1,
+            exec_id,
+        }
+    }
+
+    #[test]
+    fn an_exec_is_a_new_process_and_ended_ones_go_after_their_rounds() {
+        let c = Counters::default();
+        let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
+        let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
+        t.discover(before, b"sh", 1, &c);
+        let a = t.observe(before, b"sh", &[], 1, &c);
+        let b = t.observe(after, b"prog", &[], 1, &c);
+        assert_ne!(a, b, "one pid, two programs, two records");
+        assert_eq!(t.get(before).unwrap().record.comm, b"sh");
+        assert_eq!(t.get(after).unwrap().record.comm, b"prog");
+        // The shell exec'd in round 1, the program exited in round 2.
+        t.ended(before, Ending::Exec, 1);
+        t.ended(after, Ending::Exit, 2);
+        assert!(
+            t.sweep(2, &c).is_empty(),
+            "round 1's samples are still to be sent"
+        );
+        assert_eq!(t.sweep(3, &c), vec![a]);
+        assert_eq!(t.sweep(4, &c), vec![b]);
+        assert!(
+            t.take_unseen().is_empty(),
+            "the BPF side forgot them itself"
+        );
     }
 }

@@ -134,11 +134,24 @@ fn clock_ticks() -> u64 {
 /// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
 /// names another process. Also returns the bytes read from /proc.
 pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), ProcError> {
+    read_process_at(pid, start_ns).map(|(r, n, _)| (r, n))
+}
+
+/// [`read_process`], also returning the verified `/proc/<pid>` directory fd (to take
+/// handles of the mapped files through the process's root).
+pub fn read_process_at(
+    pid: u32,
+    start_ns: u64,
+) -> Result<(ProcessRecord, usize, OwnedFd), ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
     let dir = open_verified(pid, start_ns)?;
     let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
     let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
+    if parsed.exited {
+        // Reading on would give a record with no executable and no mappings.
+        return Err(ProcError::Gone { pid });
+    }
     let uid = fstat(dir.as_fd()).map_err(|e| io_err(pid, "", e))?.st_uid;
     let exe = nix::fcntl::readlinkat(dir.as_fd(), "exe")
         .map(|p| {
@@ -152,6 +165,10 @@ pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), P
         .unwrap_or_default();
     let cgroup = read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?;
     let (mappings, maps_read) = read_maps(&dir, pid)?;
+    if exe.is_empty() && mappings.is_empty() && !parsed.kernel_thread {
+        // Its memory went while it was read (exit_mm comes before the zombie state).
+        return Err(ProcError::Gone { pid });
+    }
     let read = 2 * stat.len() + exe.len() + cgroup.len() + maps_read;
     let record = ProcessRecord {
         pid,
@@ -166,7 +183,7 @@ pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), P
         complete: true,
     };
     let read = read + record.cmdline.iter().map(Vec::len).sum::<usize>();
-    Ok((record, read))
+    Ok((record, read, dir))
 }
 
 /// Reads only the executable mappings again (after a sample fell outside them). Also
@@ -260,8 +277,15 @@ fn read_bounded(
     Ok(buf)
 }
 
+/// linux/sched.h: the task is a kernel thread.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
 struct Stat {
     comm: Vec<u8>,
+    /// Z (zombie) or X (dead): its memory, maps and exe are gone already.
+    exited: bool,
+    /// PF_KTHREAD: no executable and no mappings, by nature.
+    kernel_thread: bool,
     ppid: u32,
     start_ticks: u64,
 }
@@ -275,10 +299,14 @@ fn parse_stat(stat: &[u8]) -> Option<Stat> {
     let rest = std::str::from_utf8(stat.get(close + 1..)?).ok()?;
     let fields: Vec<&str> = rest.split_ascii_whitespace().collect();
     // fields[0] is field 3 (state).
+    let exited = matches!(*fields.first()?, "Z" | "X");
     let ppid = fields.get(1)?.parse().ok()?;
+    let flags: u64 = fields.get(6)?.parse().ok()?;
     let start_ticks = fields.get(19)?.parse().ok()?;
     Some(Stat {
         comm,
+        exited,
+        kernel_thread: flags & PF_KTHREAD != 0,
         ppid,
         start_ticks,
     })
@@ -390,6 +418,9 @@ mod tests {
         assert_eq!(st.comm, b"a) b) (c");
         assert_eq!(st.ppid, 7);
         assert_eq!(st.start_ticks, 12345);
+        assert!(!st.exited && !st.kernel_thread);
+        let z = parse_stat(b"9 (k) Z 2 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 5 0 0").unwrap();
+        assert!(z.exited && z.kernel_thread);
     }
 
     #[test]

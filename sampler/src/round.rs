@@ -138,8 +138,13 @@ pub fn assemble(
             },
             StackRef::Err(_) => Vec::new(),
         };
-        let process_id = table.observe(raw.tgid, raw.start_ns, &raw.comm, &user, round, counters);
-        if let Some(k) = table.get(raw.tgid, raw.start_ns) {
+        let key = crate::processes::ProcKey {
+            tgid: raw.tgid,
+            start_ns: raw.start_ns,
+            exec_id: raw.exec_id,
+        };
+        let process_id = table.observe(key, &raw.comm, &user, round, counters);
+        if let Some(k) = table.get(key) {
             processes.insert(
                 process_id,
                 Issued {

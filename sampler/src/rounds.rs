@@ -9,8 +9,9 @@ use firn_sampler_bpf::types::firn_counter;
 
 use crate::counters::{add, bump, Counters};
 use crate::drain::{DrainError, Drained};
+use crate::events::{EventKind, ProcEvent};
 use crate::kallsyms::Kallsyms;
-use crate::processes::ProcessTable;
+use crate::processes::{Ending, ProcKey, ProcessTable};
 use crate::round::{self, RoundData};
 
 /// The two map sets the BPF program writes, one at a time.
@@ -23,6 +24,9 @@ pub trait MapSets {
     fn counter(&self, slot: firn_counter) -> Option<u64>;
     /// CPUs the program is attached to.
     fn cpus(&self) -> &[u32];
+    /// Tells the program that these processes are no longer known, so that it announces
+    /// them again if they are sampled again.
+    fn forget_announced(&mut self, keys: &[ProcKey]);
 }
 
 /// The run loop ended because a CPU can no longer be sampled.
@@ -59,7 +63,7 @@ pub struct Rounds {
 }
 
 /// The program's counters, the sampler's cell for each, and whether a rise is a loss.
-fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 7] {
+fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 9] {
     type K = firn_counter;
     [
         (K::FIRN_CTR_SAMPLES, &c.bpf_samples, None),
@@ -89,6 +93,12 @@ fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str
             &c.bpf_counts_map_full,
             Some("bpf_counts_map_full"),
         ),
+        (K::FIRN_CTR_EVENTS, &c.bpf_events, None),
+        (
+            K::FIRN_CTR_EVENTS_LOST,
+            &c.bpf_events_lost,
+            Some("bpf_events_lost"),
+        ),
     ]
 }
 
@@ -106,6 +116,28 @@ impl Rounds {
 
     pub fn known_processes(&self) -> usize {
         self.table.len()
+    }
+
+    /// Handles the program's process events, while the round after the last finished
+    /// one is in progress: new processes are read from /proc now.
+    pub fn on_events(&mut self, events: &[ProcEvent], c: &Counters) {
+        let in_progress = self.round + 1;
+        for e in events {
+            match e.kind {
+                EventKind::New => {
+                    bump(&c.events_new);
+                    self.table.discover(e.key, &e.comm, in_progress, c);
+                }
+                EventKind::Exec => {
+                    bump(&c.events_exec);
+                    self.table.ended(e.key, Ending::Exec, in_progress);
+                }
+                EventKind::Exit => {
+                    bump(&c.events_exit);
+                    self.table.ended(e.key, Ending::Exit, in_progress);
+                }
+            }
+        }
     }
 
     /// Ends the current round at `now_ns`: the program switches to the other set.
@@ -153,9 +185,10 @@ impl Rounds {
         if let Some(online) = online {
             self.check_cpus(maps.cpus(), online, c)?;
         }
-        self.table.begin_round();
         let data = round::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
         let forgotten = self.table.sweep(self.round, c);
+        maps.forget_announced(&self.table.take_unseen());
+        self.table.begin_round(self.round, c);
         bump(&c.rounds);
         tracing::debug!(
             round = self.round,
@@ -219,6 +252,7 @@ mod tests {
         drained_sets: Vec<u32>,
         counters: HashMap<u32, u64>,
         cpus: Vec<u32>,
+        forgotten: Vec<ProcKey>,
     }
 
     impl MapSets for FakeMaps {
@@ -237,6 +271,9 @@ mod tests {
         fn cpus(&self) -> &[u32] {
             &self.cpus
         }
+        fn forget_announced(&mut self, keys: &[ProcKey]) {
+            self.forgotten.extend_from_slice(keys);
+        }
     }
 
     /// A sample of a pid that does not exist: recorded with what BPF saw.
@@ -247,6 +284,7 @@ mod tests {
             tgid,
             tid: tgid,
             start_ns: 1,
+            exec_id: 0,
             comm,
             user,
             kernel: StackRef::Err(-libc::EFAULT),

@@ -1,8 +1,11 @@
 //! The steady state's event loop: accept clients, and time the rounds (flip, grace
 //! period, drain, publish) until a signal or a CPU that can no longer be sampled.
 
+use std::os::fd::RawFd;
 use std::rc::Rc;
 use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
 
 use tokio::signal::unix::Signal;
 
@@ -60,6 +63,19 @@ pub async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>,
     }
 }
 
+/// Reads the process events waiting in the ring buffer and acts on them.
+fn take_events(sampling: &Sampling, rounds: &mut Rounds, c: &crate::counters::Counters) {
+    let (events, malformed) = sampling.events.take();
+    if malformed > 0 {
+        crate::counters::add(&c.events_malformed, malformed);
+        tracing::warn!(
+            malformed,
+            "process events of an unexpected size or kind ignored"
+        );
+    }
+    rounds.on_events(&events, c);
+}
+
 /// Runs rounds every `period` until SIGTERM or SIGINT (`Ok`) or a CPU hotplug that a
 /// confined sampler cannot follow (`Err`).
 pub async fn run_rounds(
@@ -68,6 +84,7 @@ pub async fn run_rounds(
     sampling: &mut Sampling,
     kallsyms: &Kallsyms,
     mut rounds: Rounds,
+    events_ready: AsyncFd<RawFd>,
     (mut sigterm, mut sigint): (Signal, Signal),
 ) -> Result<(), CpuHotplug> {
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -77,7 +94,17 @@ pub async fn run_rounds(
             _ = ticks.tick() => {}
             _ = sigterm.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = sigint.recv() => { tracing::info!("SIGINT: stopping"); break; }
+            ready = events_ready.readable() => {
+                if let Ok(mut guard) = ready {
+                    guard.clear_ready();
+                }
+                take_events(sampling, &mut rounds, &shared.counters);
+                continue;
+            }
         }
+        // Events written before the flip belong to processes whose first samples are in
+        // the retired set: read them before it is assembled.
+        take_events(sampling, &mut rounds, &shared.counters);
         let retired = rounds.flip(sampling, firn_schema::now_ns());
         tokio::time::sleep(drain::GRACE).await;
         let online = attach::online_cpus().ok();

@@ -54,6 +54,8 @@ pub struct Shared {
     /// it asked for: closed, so its unread answers cannot pile up in the sampler's
     /// memory (`--write-stall-seconds`).
     pub write_stall_limit: Duration,
+    /// Handles of recently mapped files, shared with the process table that takes them.
+    pub handles: Rc<RefCell<crate::handles::Handles>>,
 }
 
 /// Per-connection control: closing it ends the connection's RPC system.
@@ -249,7 +251,12 @@ impl SubscriptionImpl {
             .ok_or(Refusal::UnknownProcess)?;
         let channel = self.sub.channel.borrow();
         let channel = channel.as_ref().ok_or(Refusal::NoBrokerChannel)?;
-        let fd = crate::broker::open_mapping(&record, index as usize)?;
+        let fd = crate::broker::open_mapping(
+            &record,
+            index as usize,
+            &mut self.shared.handles.borrow_mut(),
+            &self.shared.counters,
+        )?;
         let ticket = self.sub.next_ticket.get() + 1;
         self.sub.next_ticket.set(ticket);
         crate::broker::send_fd(channel, ticket, fd)?;

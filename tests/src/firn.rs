@@ -177,6 +177,10 @@ impl Plan {
 
 /// A running sampler + enricher pair: the sampler as root, the enricher as the
 /// unprivileged test user, profiles in a temp directory.
+/// Sampler flags that turn off binary handles: the broker then reaches files only by
+/// walking a live process's paths (for tests of that walk's checks).
+pub const WALK_ONLY: &[&str] = &["--binary-handles", "0"];
+
 pub struct Firn {
     pub dir: TempDir,
     pub sampler: Proc,

@@ -56,6 +56,11 @@ impl Proc {
         self.child.id()
     }
 
+    /// Whether it still runs (not exited, or exited but not yet reaped by us).
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().map(|v| v.clone()).unwrap_or_default()
     }

@@ -9,6 +9,14 @@
  * any program run (the program runs in interrupt context, microseconds), then reads
  * and empties the inactive set at leisure. A sample lands in exactly one set, and a
  * stack id always refers to the stack map of its own set.
+ *
+ * Process discovery: the first sample of a process (tgid, start time, exec count) puts
+ * one NEW event in the `events` ring buffer, so the sampler reads its /proc entry
+ * within milliseconds instead of at the round's end, when a short-lived process is
+ * long gone. The `seen` LRU map keeps it to one event per process; a process is marked
+ * seen only once its event is written, so a full ring buffer is retried by the next
+ * sample. Exec and exit of a seen process send EXEC and EXIT events. A sample is never
+ * held back for discovery: it is counted whether or not the process is known.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -39,6 +47,21 @@ struct stack_map stacks_1 SEC(".maps");
 struct count_map counts_0 SEC(".maps");
 struct count_map counts_1 SEC(".maps");
 
+/* Processes already announced to the sampler. The sampler deletes an entry when it
+ * forgets the process, and LRU eviction only costs a later read at the round's end. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 32768);
+	__type(key, struct firn_proc_id);
+	__type(value, __u8);
+} seen SEC(".maps");
+
+/* Process events. The sampler sets its size (--events-buffer-kib) before loading. */
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 256 * 1024);
+} events SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, FIRN_CTR_MAX);
@@ -53,6 +76,9 @@ volatile __u32 active_set = 0;
  * sampler's Rust types are generated from this header. */
 struct firn_sample_key unused_key = {};
 enum firn_counter unused_counter = FIRN_CTR_SAMPLES;
+struct firn_event unused_event = {};
+struct firn_proc_id unused_proc_id = {};
+enum firn_event_kind unused_event_kind = FIRN_EV_NEW;
 
 static __always_inline void bump(__u32 idx)
 {
@@ -78,6 +104,46 @@ static __always_inline __s32 stack_id(void *ctx, void *map, __u64 flags, __u32 f
 	return (__s32)id;
 }
 
+/* The process `task` belongs to, as the sample keys name it. */
+static __always_inline void proc_id_of(struct task_struct *task, struct firn_proc_id *id)
+{
+	struct task_struct *leader = BPF_CORE_READ(task, group_leader);
+
+	id->tgid = BPF_CORE_READ(task, tgid);
+	id->start_ns = BPF_CORE_READ(leader, start_boottime);
+	/* Counts one up per exec (begin_new_exec), copied to threads at clone. */
+	id->exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
+}
+
+/* 0 once the event is in the ring buffer; -1 (counted) when the buffer is full. */
+static __always_inline int emit(__u32 kind, const struct firn_proc_id *id)
+{
+	struct firn_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+
+	if (!e) {
+		bump(FIRN_CTR_EVENTS_LOST);
+		return -1;
+	}
+	e->kind = kind;
+	e->tgid = id->tgid;
+	e->start_ns = id->start_ns;
+	e->exec_id = id->exec_id;
+	e->reserved = 0;
+	bpf_get_current_comm(&e->comm, sizeof(e->comm));
+	bpf_ringbuf_submit(e, 0);
+	bump(FIRN_CTR_EVENTS);
+	return 0;
+}
+
+/* A seen process that ends (exec or exit): tell the sampler, forget it here. */
+static __always_inline void ended(__u32 kind, const struct firn_proc_id *id)
+{
+	if (!bpf_map_lookup_elem(&seen, id))
+		return;
+	bpf_map_delete_elem(&seen, id);
+	emit(kind, id);
+}
+
 /* The context allows only whole 8-byte loads of the saved registers. */
 static __always_inline int user_mode(struct bpf_perf_event_data *ctx)
 {
@@ -92,8 +158,10 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	__u32 tgid = id >> 32;
 	__u32 tid = (__u32)id;
 	struct firn_sample_key key = {};
-	struct task_struct *task;
+	struct task_struct *task, *leader;
+	struct firn_proc_id pid;
 	__u64 one = 1, *count;
+	__u8 yes = 1;
 	__u32 set = active_set;
 	void *stacks, *counts;
 
@@ -114,8 +182,17 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	task = (struct task_struct *)bpf_get_current_task();
 	key.tgid = tgid;
 	key.tid = tid;
-	key.start_ns = BPF_CORE_READ(task, group_leader, start_boottime);
+	leader = BPF_CORE_READ(task, group_leader);
+	key.start_ns = BPF_CORE_READ(leader, start_boottime);
+	key.exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
 	bpf_get_current_comm(&key.comm, sizeof(key.comm));
+
+	pid.tgid = tgid;
+	pid.exec_id = key.exec_id;
+	pid.start_ns = key.start_ns;
+	if (!bpf_map_lookup_elem(&seen, &pid) && emit(FIRN_EV_NEW, &pid) == 0)
+		bpf_map_update_elem(&seen, &pid, &yes, BPF_ANY);
+
 	key.user_stack_id = stack_id(ctx, stacks, BPF_F_USER_STACK,
 				     FIRN_CTR_USER_STACK_FULL, FIRN_CTR_USER_STACK_ERR);
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
@@ -139,5 +216,31 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 		else
 			bump(FIRN_CTR_COUNTS_FULL);
 	}
+	return 0;
+}
+
+/* Current is the task that exec'd, its exec count already one up. */
+SEC("raw_tp/sched_process_exec")
+int firn_exec(void *ctx)
+{
+	struct firn_proc_id id;
+
+	proc_id_of((struct task_struct *)bpf_get_current_task(), &id);
+	id.exec_id -= 1;
+	ended(FIRN_EV_EXEC, &id);
+	return 0;
+}
+
+/* Current is the exiting thread; the process ends with its last thread. */
+SEC("raw_tp/sched_process_exit")
+int firn_exit(void *ctx)
+{
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	struct firn_proc_id id;
+
+	if (BPF_CORE_READ(task, signal, live.counter) != 0)
+		return 0;
+	proc_id_of(task, &id);
+	ended(FIRN_EV_EXIT, &id);
 	return 0;
 }

@@ -1,0 +1,258 @@
+//! `O_PATH` handles of the files recently seen mapped, so that the broker can still open
+//! a binary after its process exited (a short-lived process is gone long before the
+//! enricher asks). A handle is taken when a process record is read, through the same
+//! checked walk the broker uses (inside the process's root, regular file, the mapping's
+//! device and inode), one per distinct file. It opens nothing and reads nothing; the
+//! broker reopens it read-only only when a subscriber asks for a mapping with exactly
+//! that device and inode.
+//!
+//! Bounded: at most `max` handles (the oldest goes first, counted) and each is closed
+//! once no record has referred to it and no broker request has used it for
+//! [`IDLE_ROUNDS`] rounds. A handle pins its inode (a deleted binary's blocks stay
+//! allocated) and its mount (an unmount without MNT_DETACH gets EBUSY) until then.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+
+use firn_schema::firn_capnp::Refusal;
+use nix::fcntl::{openat, OFlag};
+use nix::sys::stat::Mode;
+
+use crate::counters::{bump, Counters};
+use crate::procfs::Mapping;
+
+/// Rounds a handle stays without use: the enricher asks for a round's binaries as soon
+/// as it has the round, so two rounds of slack cover a slow subscriber.
+pub const IDLE_ROUNDS: u64 = 3;
+/// Handles held at most by default (each is one fd); lowered to fit RLIMIT_NOFILE.
+pub const MAX_HANDLES: usize = 4096;
+/// File descriptors left for everything else (clients, /proc reads, BPF).
+pub const RESERVED_FDS: usize = 512;
+
+/// (device, inode) of a mapped file, as `stat` reports the device.
+pub type FileId = (u64, u64);
+
+pub fn file_id(m: &Mapping) -> FileId {
+    (libc::makedev(m.dev_major, m.dev_minor), m.inode)
+}
+
+struct Held {
+    fd: OwnedFd,
+    used: u64,
+}
+
+pub struct Handles {
+    by_file: HashMap<FileId, Held>,
+    max: usize,
+    round: u64,
+}
+
+impl Handles {
+    /// Holds at most `max` handles (0: none are taken; the broker then reaches binaries
+    /// of live processes only).
+    pub fn new(max: usize) -> Self {
+        Self {
+            by_file: HashMap::new(),
+            max,
+            round: 0,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_file.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_file.is_empty()
+    }
+
+    /// Takes a handle of each mapping not yet held, resolving it inside the root of the
+    /// process whose `/proc/<pid>` directory is `proc_dir`. Failures are counted and
+    /// leave the broker's path walk as the way to the file.
+    pub fn take(&mut self, proc_dir: &OwnedFd, mappings: &[Mapping], c: &Counters) {
+        if self.max == 0 {
+            return;
+        }
+        let mut root = None;
+        for m in mappings {
+            let id = file_id(m);
+            if let Some(h) = self.by_file.get_mut(&id) {
+                h.used = self.round;
+                continue;
+            }
+            if m.path.first() != Some(&b'/') || m.path.ends_with(b" (deleted)") {
+                continue;
+            }
+            if root.is_none() {
+                root = match openat(
+                    proc_dir.as_fd(),
+                    "root",
+                    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+                    Mode::empty(),
+                ) {
+                    Ok(r) => Some(r),
+                    Err(_) => {
+                        bump(&c.binary_handles_failed);
+                        return;
+                    }
+                };
+            }
+            let Some(root) = root.as_ref() else { return };
+            match crate::broker::checked_handle(root, m) {
+                Ok(fd) => {
+                    if self.by_file.len() >= self.max {
+                        self.evict_oldest(c);
+                    }
+                    self.by_file.insert(
+                        id,
+                        Held {
+                            fd,
+                            used: self.round,
+                        },
+                    );
+                    bump(&c.binary_handles_taken);
+                }
+                Err(_) => bump(&c.binary_handles_failed),
+            }
+        }
+    }
+
+    /// Opens the held file `id` read-only, if a handle of it is held.
+    pub fn open(&mut self, id: FileId) -> Option<Result<OwnedFd, Refusal>> {
+        let h = self.by_file.get_mut(&id)?;
+        h.used = self.round;
+        Some(crate::broker::reopen_read_only(&h.fd))
+    }
+
+    /// Starts round `round`: handles unused for [`IDLE_ROUNDS`] are closed.
+    pub fn end_round(&mut self, round: u64, c: &Counters) {
+        self.round = round;
+        let before = self.by_file.len();
+        self.by_file
+            .retain(|_, h| round.saturating_sub(h.used) < IDLE_ROUNDS);
+        crate::counters::add(
+            &c.binary_handles_expired,
+            (before - self.by_file.len()) as u64,
+        );
+    }
+
+    fn evict_oldest(&mut self, c: &Counters) {
+        if let Some((&id, _)) = self.by_file.iter().min_by_key(|(_, h)| h.used) {
+            self.by_file.remove(&id);
+            bump(&c.binary_handles_evicted);
+        }
+    }
+}
+
+/// Raises the soft RLIMIT_NOFILE to the hard one (setup, before confinement) and
+/// returns how many handles fit beside [`RESERVED_FDS`].
+pub fn fit_to_fd_limit(wanted: usize) -> usize {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return 0;
+    };
+    let soft = if soft < hard && setrlimit(Resource::RLIMIT_NOFILE, hard, hard).is_ok() {
+        hard
+    } else {
+        soft
+    };
+    let room = usize::try_from(soft)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(RESERVED_FDS);
+    wanted.min(room)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::stat::fstat;
+
+    fn mapping_of(path: &std::path::Path) -> Mapping {
+        let st = fstat(
+            nix::fcntl::open(path, OFlag::O_PATH, Mode::empty())
+                .unwrap()
+                .as_fd(),
+        )
+        .unwrap();
+        Mapping {
+            start: 0x1000,
+            end: 0x2000,
+            offset: 0,
+            dev_major: libc::major(st.st_dev),
+            dev_minor: libc::minor(st.st_dev),
+            inode: st.st_ino,
+            path: path.as_os_str().as_encoded_bytes().to_vec(),
+        }
+    }
+
+    fn own_proc() -> OwnedFd {
+        nix::fcntl::open(
+            "/proc/self",
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY,
+            Mode::empty(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_held_file_opens_after_its_name_is_gone_and_ages_out() {
+        let c = Counters::default();
+        let dir = std::env::temp_dir().join(format!("firn-handles-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("bin");
+        std::fs::write(&file, b"the mapped file").unwrap();
+        let m = mapping_of(&file);
+        let mut h = Handles::new(8);
+        h.take(&own_proc(), std::slice::from_ref(&m), &c);
+        h.take(&own_proc(), std::slice::from_ref(&m), &c);
+        assert_eq!(
+            (h.len(), c.binary_handles_taken.get()),
+            (1, 1),
+            "one per file"
+        );
+        // Deleted and its name reused by another file: the handle still opens the first.
+        std::fs::remove_file(&file).unwrap();
+        std::fs::write(&file, b"another file").unwrap();
+        let fd = h.open(file_id(&m)).unwrap().unwrap();
+        let text = std::fs::read(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&fd)
+        ))
+        .unwrap();
+        assert_eq!(text, b"the mapped file");
+        // Used in round 0; closed once IDLE_ROUNDS pass without use.
+        h.end_round(IDLE_ROUNDS - 1, &c);
+        assert_eq!(h.len(), 1);
+        h.end_round(IDLE_ROUNDS, &c);
+        assert!(h.is_empty());
+        assert_eq!(c.binary_handles_expired.get(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_count_bound_drops_the_oldest() {
+        let c = Counters::default();
+        let dir = std::env::temp_dir().join(format!("firn-handles-n-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut h = Handles::new(2);
+        let mut ids = Vec::new();
+        for (round, name) in ["a", "b", "c"].iter().enumerate() {
+            let f = dir.join(name);
+            std::fs::write(&f, name).unwrap();
+            let m = mapping_of(&f);
+            ids.push(file_id(&m));
+            h.end_round(round as u64, &c);
+            h.take(&own_proc(), &[m], &c);
+        }
+        assert_eq!(h.len(), 2);
+        assert!(h.open(ids[0]).is_none(), "the oldest went");
+        assert!(h.open(ids[2]).is_some());
+        assert_eq!(c.binary_handles_evicted.get(), 1);
+        // A special file is never held.
+        let mut fifo = mapping_of(&dir.join("a"));
+        fifo.path = b"/dev/null".to_vec();
+        h.take(&own_proc(), &[fifo], &c);
+        assert_eq!(c.binary_handles_failed.get(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
