@@ -3,11 +3,12 @@
 //! sampler's limits, request validation, subscription and broker bookkeeping).
 #![no_main]
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 
 use firn_sampler::counters::Counters;
+use firn_sampler::handles::Handles;
 use firn_sampler::hub::Hub;
 use firn_sampler::server::{self, Identity, Shared};
 use libfuzzer_sys::fuzz_target;
@@ -29,6 +30,7 @@ fn shared() -> Rc<Shared> {
         connections: Cell::new(1),
         max_connections: 4,
         write_stall_limit: std::time::Duration::from_secs(10),
+        handles: Rc::new(RefCell::new(Handles::new(0))),
     })
 }
 

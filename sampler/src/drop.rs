@@ -274,7 +274,7 @@ macro_rules! allow_list {
                         ),
                     ],
                 },
-                "drain the maps on held fds: counts by batch, stacks by lookup then delete; no program load, no map creation"
+                "drain the maps on held fds: counts by batch, stacks by lookup then delete; forget processes announced for discovery (delete); no program load, no map creation"
             ),
             allow!(SYS_accept4, Check::Any, SERVER),
             allow!(SYS_getsockopt, Check::Any, SERVER),

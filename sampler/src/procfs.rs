@@ -145,9 +145,7 @@ pub fn read_process_at(
 ) -> Result<(ProcessRecord, usize, OwnedFd), ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
-    let dir = open_verified(pid, start_ns)?;
-    let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
-    let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
+    let (dir, stat, parsed) = verified(pid, start_ns)?;
     if parsed.exited {
         // Reading on would give a record with no executable and no mappings.
         return Err(ProcError::Gone { pid });
@@ -169,7 +167,7 @@ pub fn read_process_at(
         // Its memory went while it was read (exit_mm comes before the zombie state).
         return Err(ProcError::Gone { pid });
     }
-    let read = 2 * stat.len() + exe.len() + cgroup.len() + maps_read;
+    let read = stat.len() + exe.len() + cgroup.len() + maps_read;
     let record = ProcessRecord {
         pid,
         start_ns,
@@ -215,13 +213,18 @@ pub fn is_alive(pid: u32, start_ns: u64) -> bool {
 /// A directory fd of /proc/<pid>, checked to belong to the process that started at
 /// `start_ns`. Everything opened through it later refers to that very process.
 pub fn open_verified(pid: u32, start_ns: u64) -> Result<OwnedFd, ProcError> {
+    verified(pid, start_ns).map(|(dir, _, _)| dir)
+}
+
+/// [`open_verified`], also returning the stat text it read and its parse.
+fn verified(pid: u32, start_ns: u64) -> Result<(OwnedFd, Vec<u8>, Stat), ProcError> {
     let dir = open_proc_dir(pid)?;
     let stat = read_bounded(&dir, pid, "stat", MAX_STAT_BYTES)?;
     let parsed = parse_stat(&stat).ok_or(ProcError::Format { pid })?;
     if parsed.start_ticks != start_ns / (1_000_000_000 / clock_ticks()) {
         return Err(ProcError::Reused { pid });
     }
-    Ok(dir)
+    Ok((dir, stat, parsed))
 }
 
 fn open_proc_dir(pid: u32) -> Result<OwnedFd, ProcError> {

@@ -400,4 +400,49 @@ mod tests {
             Err(CpuHotplug(2))
         ));
     }
+    #[test]
+    fn an_announced_process_is_read_at_once_and_leaves_after_its_exit_rounds() {
+        let c = Counters::default();
+        let mut m = FakeMaps {
+            cpus: vec![0],
+            ..Default::default()
+        };
+        let mut r = Rounds::new(ProcessTable::default(), 0);
+        // This test's own process, announced by its first sample.
+        let me = std::process::id();
+        let key = ProcKey {
+            tgid: me,
+            start_ns: crate::procfs::start_ns_of(me).expect("own start time"),
+            exec_id: 0,
+        };
+        let event = |kind| ProcEvent {
+            kind,
+            key,
+            comm: [0; firn_sampler_bpf::COMM_LEN],
+        };
+        r.on_events(&[event(EventKind::New)], &c);
+        assert_eq!((c.processes_read_early.get(), c.processes_read.get()), (1, 1));
+        // Its samples, drained at the round's end, find the record: no second read.
+        let mut s = sample(me, StackRef::Err(-libc::EFAULT), 2);
+        s.start_ns = key.start_ns;
+        m.drains.push_back(Ok(Drained {
+            samples: vec![s],
+            ..Default::default()
+        }));
+        let round = run(&mut r, &mut m, 1, &[0], &c).unwrap().unwrap();
+        assert!(round.data.processes[0].record.complete);
+        assert_eq!(c.processes_read.get(), 1);
+        let id = round.data.processes[0].id;
+        // It exits during round 2: kept through round 3, forgotten at round 4's end,
+        // without a delete from `seen` (the program forgot it on exit).
+        r.on_events(&[event(EventKind::Exit)], &c);
+        for now in [2, 3] {
+            let round = run(&mut r, &mut m, now, &[0], &c).unwrap().unwrap();
+            assert!(round.forgotten.is_empty(), "forgotten too early");
+        }
+        let round = run(&mut r, &mut m, 4, &[0], &c).unwrap().unwrap();
+        assert_eq!(round.forgotten, vec![id]);
+        assert!(m.forgotten.is_empty());
+        assert_eq!(c.events_exit.get(), 1);
+    }
 }

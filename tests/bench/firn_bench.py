@@ -281,23 +281,40 @@ class ChurnFirn(Firn):
         return super().stop(workload_pid, settle=False)
 
 
-def scale_churn(out, exes, seconds, rate, hz, rnd, label):
-    log(f"scale: {label}: {rate}/s over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
+def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
+    log(f"scale: {label}: {rate}/s × {ms} ms over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
     f = ChurnFirn(rnd)
     f.start(hz)
-    c0 = proc_cpu(f.enricher.pid)
+    # The sampler's cost at rest, to take out of its cost under churn.
+    s0, t_rest = proc_cpu(f.sampler.pid), time.time()
+    time.sleep(5)
+    rest = (proc_cpu(f.sampler.pid) - s0) / (time.time() - t_rest)
+    m0 = f.metrics()
+    c0, s0 = proc_cpu(f.enricher.pid), proc_cpu(f.sampler.pid)
     churn = subprocess.Popen([str(out / "churn"), str(seconds), str(rate), *map(str, exes)],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, CHURN_MS=str(ms)))
     churn.stdout.readline()
-    t0, rss = time.time(), []
+    t0, rss, srss = time.time(), [], []
     while churn.poll() is None:
         rss.append((time.time() - t0, status_kib(f.enricher.pid, "VmRSS") / 1024))
+        srss.append((time.time() - t0, status_kib(f.sampler.pid, "VmRSS") / 1024))
         time.sleep(5)
     report = churn.stdout.read()
-    cpu = (proc_cpu(f.enricher.pid) - c0) / (time.time() - t0)
+    elapsed = time.time() - t0
+    cpu = (proc_cpu(f.enricher.pid) - c0) / elapsed
+    scpu = (proc_cpu(f.sampler.pid) - s0) / elapsed
+    m1 = f.metrics()
+    speak = status_kib(f.sampler.pid, "VmHWM") / 1024
     res = f.stop()
-    return {"label": label, "rate": rate, "executables": len(exes), "seconds": seconds,
+    new = m1.get("firn_sampler_events_new", 0) - m0.get("firn_sampler_events_new", 0)
+    per_process = (scpu - rest) * elapsed / new if new else float("nan")
+    return {"label": label, "rate": rate, "ms": ms, "executables": len(exes), "seconds": seconds,
             "churn_report": report.strip(), "enricher_cpu_per_s": cpu, "rss_points": rss,
+            "sampler_cpu_per_s": scpu, "sampler_cpu_at_rest_per_s": rest,
+            "sampler_us_per_new_process": per_process * 1e6, "new_processes": new,
+            "sampler_rss_points": srss, "sampler_rss_peak_mib": speak,
+            "events_lost": m1.get("firn_sampler_bpf_events_lost", 0),
+            "gone_before_read": m1.get("firn_sampler_processes_gone", 0),
             # The first fifth is warm-up (binaries loading); the trend is of the rest.
             "rss_trend_mib_per_min": bl.trend_per_minute(rss[len(rss) // 5:]),
             "rss_max_mib": max((p[1] for p in rss), default=float("nan")),
@@ -329,7 +346,7 @@ def write_report(res, update):
                          f"{r['cpu_window_per_s_sampler'] * 1000:.2f} ms/s, RSS {r['rss_kib_sampler'] / 1024:.1f} MiB "
                          f"(peak {r['rss_peak_sampler_kib'] / 1024:.1f}); throughput/none "
                          f"{r['throughput'] / s['baseline_throughput']:.4f} |")
-        for key in ("churn", "many_binaries"):
+        for key in ("churn", "many_binaries", "execs"):
             if key in s:
                 r = s[key]
                 share = r["attributed"] / r["by_comm"] if r["by_comm"] else float("nan")
@@ -337,15 +354,22 @@ def write_report(res, update):
                 hits = mt.get("firn_enricher_symbol_cache_hits_total", 0)
                 misses = mt.get("firn_enricher_symbol_cache_misses_total", 0)
                 lines.append(
-                    f"| {r['label']}: {r['rate']}/s × ~20 ms over {r['executables']} executable(s), {r['seconds']} s | "
+                    f"| {r['label']}: {r['rate']}/s × ~{r.get('ms', 20)} ms over {r['executables']} executable(s), {r['seconds']} s | "
                     f"{r['attributed']}/{r['by_comm']} samples attributed to the right executable ({share:.1%}); "
                     f"enricher CPU {r['enricher_cpu_per_s'] * 1000:.1f} ms/s, RSS max {r['rss_max_mib']:.1f} MiB, "
                     f"trend {r['rss_trend_mib_per_min']:+.2f} MiB/min; binaries loaded "
                     f"{mt.get('firn_enricher_binaries_loaded_total', 0):.0f}, evicted "
                     f"{mt.get('firn_enricher_binaries_evicted_total', 0):.0f}, cached at the end "
                     f"{mt.get('firn_enricher_binaries_cached', 0):.0f}; "
-                    f"frame cache hit rate {hits / max(1, hits + misses):.1%}; sampler processes gone before "
-                    f"/proc read {mt.get('firn_sampler_processes_gone', 0):.0f} |")
+                    f"frame cache hit rate {hits / max(1, hits + misses):.1%}; sampler CPU "
+                    f"{r.get('sampler_cpu_per_s', float('nan')) * 1000:.1f} ms/s (at rest "
+                    f"{r.get('sampler_cpu_at_rest_per_s', float('nan')) * 1000:.1f}), "
+                    f"{r.get('sampler_us_per_new_process', float('nan')):.0f} µs per new process "
+                    f"({r.get('new_processes', 0):.0f} announced), RSS max "
+                    f"{max((p[1] for p in r.get('sampler_rss_points', [])), default=float('nan')):.1f} MiB "
+                    f"(peak {r.get('sampler_rss_peak_mib', float('nan')):.1f}); ring buffer events lost "
+                    f"{r.get('events_lost', 0):.0f}; processes gone before /proc read "
+                    f"{mt.get('firn_sampler_processes_gone', 0):.0f} |")
         sections["bench-scale"] = "\n".join(lines)
     for name, body in sections.items():
         log(f"\n== {name}\n{body}")
@@ -434,6 +458,8 @@ def main():
                                    args.round, "churn")
             s["many_binaries"] = scale_churn(out, many_binaries(out, args.binaries), max(60, args.binaries // 2),
                                            args.churn_rate, hz, args.round, "many binaries")
+            # Exec storm: 1,000 short execs a second (1 ms of CPU each, one CPU's worth).
+            s["execs"] = scale_churn(out, [out / "churn-child"], 60, 1000, hz, args.round, "execs", ms=1)
     finally:
         open("/proc/sys/kernel/bpf_stats_enabled", "w").write(old)
         for link in links:
