@@ -107,7 +107,13 @@ fn read_record(
     counters: &Counters,
 ) -> (ProcessRecord, usize) {
     let (tgid, start_ns) = (key.tgid, key.start_ns);
-    match procfs::read_process_at(tgid, start_ns) {
+    let t0 = std::time::Instant::now();
+    let got = procfs::read_process_at(tgid, start_ns);
+    add(
+        &counters.process_read_ns,
+        u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+    );
+    match got {
         Ok((mut r, read, dir)) => {
             bump(&counters.processes_read);
             if r.trim_to(procfs::MAX_RECORD_BYTES) {
@@ -119,7 +125,12 @@ fn read_record(
                     "process record over its byte bound; mappings past it left out"
                 );
             }
+            let t0 = std::time::Instant::now();
             handles.borrow_mut().take(&dir, &r.mappings, counters);
+            add(
+                &counters.binary_handle_ns,
+                u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            );
             (r, read)
         }
         Err(e) => {

@@ -265,18 +265,33 @@ fn read_bounded(
         Mode::empty(),
     )
     .map_err(|e| io_err(pid, file, e))?;
-    let mut buf = Vec::new();
-    File::from(fd)
-        .take(max as u64)
-        .read_to_end(&mut buf)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ESRCH) => ProcError::Gone { pid },
-            _ => ProcError::Io {
-                pid,
-                file,
-                source: e,
-            },
-        })?;
+    let err = |e: nix::errno::Errno| match e {
+        nix::errno::Errno::ESRCH => ProcError::Gone { pid },
+        e => ProcError::Io {
+            pid,
+            file,
+            source: e.into(),
+        },
+    };
+    let mut buf = vec![0u8; max.min(4096)];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            if len >= max {
+                break;
+            }
+            buf.resize((2 * len).min(max), 0);
+        }
+        let n = nix::unistd::read(&fd, &mut buf[len..]).map_err(err)?;
+        len += n;
+        // The files read here (stat, cgroup: one seq_file record; cmdline) hand over
+        // all they hold that fits in one read, so a short read is the end: no read
+        // just to see 0. (Not so for maps, which is read through a BufReader.)
+        if n == 0 || len < buf.len() {
+            break;
+        }
+    }
+    buf.truncate(len);
     Ok(buf)
 }
 

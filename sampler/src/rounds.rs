@@ -421,7 +421,10 @@ mod tests {
             comm: [0; firn_sampler_bpf::COMM_LEN],
         };
         r.on_events(&[event(EventKind::New)], &c);
-        assert_eq!((c.processes_read_early.get(), c.processes_read.get()), (1, 1));
+        assert_eq!(
+            (c.processes_read_early.get(), c.processes_read.get()),
+            (1, 1)
+        );
         // Its samples, drained at the round's end, find the record: no second read.
         let mut s = sample(me, StackRef::Err(-libc::EFAULT), 2);
         s.start_ns = key.start_ns;

@@ -130,7 +130,11 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id)
 	e->exec_id = id->exec_id;
 	e->reserved = 0;
 	bpf_get_current_comm(&e->comm, sizeof(e->comm));
-	bpf_ringbuf_submit(e, 0);
+	/* Only a new process is urgent (it may be gone in milliseconds); exec and exit
+	 * events wait for the next wakeup or the round's end, which halves the wakeups.
+	 * A new one forces its wakeup: the default wakes only a consumer that has read
+	 * everything before it, and a waiting exit event would then hold it back. */
+	bpf_ringbuf_submit(e, kind == FIRN_EV_NEW ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
 	bump(FIRN_CTR_EVENTS);
 	return 0;
 }
