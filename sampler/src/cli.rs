@@ -56,7 +56,7 @@ pub struct Args {
 
     /// Size of the ring buffer of process events, in KiB (a power of two, 4–65536). The
     /// BPF program announces each process's first sample (and the exec and exit of
-    /// announced ones) there, 48 bytes each, so that the sampler reads /proc while the
+    /// announced ones) there, 56 bytes each, so that the sampler reads /proc while the
     /// process still runs. When it is full, events are lost (counted as
     /// bpf_events_lost) and the process is announced by its next sample instead.
     #[arg(long, default_value_t = 256, value_parser = events_kib)]

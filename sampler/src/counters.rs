@@ -48,6 +48,7 @@ counters! {
     kernel_frames_unresolved: "kernel frames with no symbol (sent as [unknown])",
     processes_read: "process records read from /proc",
     processes_gone: "processes gone before /proc could be read (sent with BPF facts only)",
+    processes_execed_before_read: "announced processes that exec'd before /proc could be read (their earlier program sent with BPF facts only)",
     process_read_errors: "process records that failed for another reason",
     mapping_refreshes: "mapping lists read again after a frame fell outside them",
     process_records_trimmed: "process records cut to the per-record byte bound (mappings past it left out)",

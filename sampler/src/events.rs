@@ -25,6 +25,8 @@ pub struct ProcEvent {
     pub key: ProcKey,
     /// Comm of the thread that triggered it (NUL-padded).
     pub comm: [u8; firn_sampler_bpf::COMM_LEN],
+    /// NEW: the inode of the executable the process ran at that sample (0: unknown).
+    pub exe_ino: u64,
 }
 
 const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
@@ -51,6 +53,7 @@ pub fn parse(b: &[u8]) -> Option<ProcEvent> {
             exec_id: e.exec_id,
         },
         comm: e.comm.map(|c| c as u8),
+        exe_ino: e.exe_ino,
     })
 }
 
@@ -113,6 +116,7 @@ mod tests {
             exec_id: 3,
             reserved: 0,
             comm,
+            exe_ino: 11,
         };
         // SAFETY: firn_event is plain data; viewing it as bytes is sound.
         unsafe { std::slice::from_raw_parts((&raw const e).cast::<u8>(), EVENT_SIZE) }.to_vec()
@@ -130,7 +134,7 @@ mod tests {
                 exec_id: 3
             }
         );
-        assert_eq!(e.comm[0], b'x');
+        assert_eq!((e.comm[0], e.exe_ino), (b'x', 11));
         assert!(parse(&raw(9)).is_none(), "unknown kind");
         assert!(parse(&raw(1)[..EVENT_SIZE - 1]).is_none(), "short");
     }

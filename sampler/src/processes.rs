@@ -103,12 +103,13 @@ impl Default for ProcessTable {
 fn read_record(
     key: ProcKey,
     comm: &[u8],
+    exe_ino: u64,
     handles: &RefCell<Handles>,
     counters: &Counters,
 ) -> (ProcessRecord, usize) {
     let (tgid, start_ns) = (key.tgid, key.start_ns);
     let t0 = std::time::Instant::now();
-    let got = procfs::read_process_at(tgid, start_ns);
+    let got = procfs::read_process_at(tgid, start_ns, exe_ino);
     add(
         &counters.process_read_ns,
         u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -140,6 +141,14 @@ fn read_record(
                     tracing::info!(
                         pid = tgid,
                         "process gone before /proc could be read; sent with what BPF saw"
+                    );
+                }
+                ProcError::Execed { .. } => {
+                    bump(&counters.processes_execed_before_read);
+                    tracing::info!(
+                        pid = tgid,
+                        "process exec'd before /proc could be read; its earlier program \
+                         is sent with what BPF saw"
                     );
                 }
                 _ => {
@@ -194,7 +203,15 @@ impl ProcessTable {
 
     /// A process the BPF program announced (its first sample), while round `round` is in
     /// progress: read from /proc now, while it still runs.
-    pub fn discover(&mut self, key: ProcKey, comm: &[u8], round: u64, counters: &Counters) {
+    /// `exe_ino`: the inode of its executable as BPF saw it (0: unknown).
+    pub fn discover(
+        &mut self,
+        key: ProcKey,
+        comm: &[u8],
+        exe_ino: u64,
+        round: u64,
+        counters: &Counters,
+    ) {
         if let Some(k) = self.by_key.get_mut(&key) {
             k.last_seen = k.last_seen.max(round);
             return;
@@ -202,7 +219,7 @@ impl ProcessTable {
         if self.read_left > 0 {
             bump(&counters.processes_read_early);
         }
-        self.insert(key, comm, round, counters);
+        self.insert(key, comm, exe_ino, round, counters);
     }
 
     /// A process the BPF program saw exec or exit while round `round` was in progress.
@@ -226,13 +243,13 @@ impl ProcessTable {
         counters: &Counters,
     ) -> u64 {
         let Some(k) = self.by_key.get_mut(&key) else {
-            return self.insert(key, comm, round, counters);
+            return self.insert(key, comm, 0, round, counters);
         };
         k.last_seen = k.last_seen.max(round);
         // Once ended, /proc describes another program or nothing: the record stays.
         if k.ended.is_none() {
             if k.deferred && self.read_left > 0 {
-                let (record, read) = read_record(key, comm, &self.handles, counters);
+                let (record, read) = read_record(key, comm, 0, &self.handles, counters);
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
                 k.ranges = ranges_of(&record);
@@ -254,11 +271,18 @@ impl ProcessTable {
         id
     }
 
-    fn insert(&mut self, key: ProcKey, comm: &[u8], round: u64, counters: &Counters) -> u64 {
+    fn insert(
+        &mut self,
+        key: ProcKey,
+        comm: &[u8],
+        exe_ino: u64,
+        round: u64,
+        counters: &Counters,
+    ) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         let (record, deferred) = if self.read_left > 0 {
-            let (record, read) = read_record(key, comm, &self.handles, counters);
+            let (record, read) = read_record(key, comm, exe_ino, &self.handles, counters);
             self.read_left = self.read_left.saturating_sub(read);
             (record, false)
         } else {
@@ -475,7 +499,7 @@ mod tests {
         let c = Counters::default();
         let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
         let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
-        t.discover(before, b"sh", 1, &c);
+        t.discover(before, b"sh", 0, 1, &c);
         let a = t.observe(before, b"sh", &[], 1, &c);
         let b = t.observe(after, b"prog", &[], 1, &c);
         assert_ne!(a, b, "one pid, two programs, two records");

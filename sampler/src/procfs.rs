@@ -33,6 +33,8 @@ pub enum ProcError {
     },
     #[error("/proc/{pid}/stat has an unexpected format")]
     Format { pid: u32 },
+    #[error("process {pid} exec'd another program before it could be read")]
+    Execed { pid: u32 },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -134,14 +136,17 @@ fn clock_ticks() -> u64 {
 /// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
 /// names another process. Also returns the bytes read from /proc.
 pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), ProcError> {
-    read_process_at(pid, start_ns).map(|(r, n, _)| (r, n))
+    read_process_at(pid, start_ns, 0).map(|(r, n, _)| (r, n))
 }
 
 /// [`read_process`], also returning the verified `/proc/<pid>` directory fd (to take
-/// handles of the mapped files through the process's root).
+/// handles of the mapped files through the process's root). With `exe_ino` not 0, the
+/// process must still run the executable with that inode (as BPF saw it): otherwise it
+/// exec'd meanwhile and /proc describes its next program (`Execed`).
 pub fn read_process_at(
     pid: u32,
     start_ns: u64,
+    exe_ino: u64,
 ) -> Result<(ProcessRecord, usize, OwnedFd), ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
@@ -149,6 +154,14 @@ pub fn read_process_at(
     if parsed.exited {
         // Reading on would give a record with no executable and no mappings.
         return Err(ProcError::Gone { pid });
+    }
+    if exe_ino != 0 {
+        // stat follows the exe link to the file it names.
+        match nix::sys::stat::fstatat(&dir, "exe", nix::fcntl::AtFlags::empty()) {
+            Ok(st) if st.st_ino == exe_ino => {}
+            Ok(_) => return Err(ProcError::Execed { pid }),
+            Err(e) => return Err(io_err(pid, "exe", e)),
+        }
     }
     let uid = fstat(dir.as_fd()).map_err(|e| io_err(pid, "", e))?.st_uid;
     let exe = nix::fcntl::readlinkat(dir.as_fd(), "exe")
@@ -510,6 +523,14 @@ mod tests {
         assert!(matches!(
             read_process(me, (ticks + 5) * (1_000_000_000 / clock_ticks())),
             Err(ProcError::Reused { .. })
+        ));
+        // BPF saw another executable: the process exec'd since; this one runs on.
+        let start = ticks * (1_000_000_000 / clock_ticks());
+        let exe = std::fs::metadata(format!("/proc/{me}/exe")).unwrap();
+        assert!(read_process_at(me, start, std::os::unix::fs::MetadataExt::ino(&exe)).is_ok());
+        assert!(matches!(
+            read_process_at(me, start, std::os::unix::fs::MetadataExt::ino(&exe) + 1),
+            Err(ProcError::Execed { .. })
         ));
     }
 }

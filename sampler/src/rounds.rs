@@ -126,7 +126,8 @@ impl Rounds {
             match e.kind {
                 EventKind::New => {
                     bump(&c.events_new);
-                    self.table.discover(e.key, &e.comm, in_progress, c);
+                    self.table
+                        .discover(e.key, &e.comm, e.exe_ino, in_progress, c);
                 }
                 EventKind::Exec => {
                     bump(&c.events_exec);
@@ -419,6 +420,7 @@ mod tests {
             kind,
             key,
             comm: [0; firn_sampler_bpf::COMM_LEN],
+            exe_ino: 0,
         };
         r.on_events(&[event(EventKind::New)], &c);
         assert_eq!(

@@ -13,7 +13,11 @@ const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
 fn labels_of(f: &Firn, pid: u32) -> Value {
     index_entries(&f.out)
         .into_iter()
-        .find(|(_, l)| l["pid"].as_str() == Some(pid.to_string().as_str()))
+        // The shell that moved itself into the cgroup and exec'd busy is a process of
+        // its own (read before it moved); busy's profile is the one that counts.
+        .find(|(_, l)| {
+            l["pid"].as_str() == Some(pid.to_string().as_str()) && l["executable"] == "busy"
+        })
         .map(|(_, l)| l)
         .unwrap_or(Value::Null)
 }

@@ -130,6 +130,10 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id)
 	e->exec_id = id->exec_id;
 	e->reserved = 0;
 	bpf_get_current_comm(&e->comm, sizeof(e->comm));
+	/* Lets the sampler tell whether /proc still shows this program when it reads it
+	 * (an exec may come between); 0 for a kernel thread. */
+	e->exe_ino = kind == FIRN_EV_NEW ?
+		BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm, exe_file, f_inode, i_ino) : 0;
 	/* Only a new process is urgent (it may be gone in milliseconds); exec and exit
 	 * events wait for the next wakeup or the round's end, which halves the wakeups.
 	 * A new one forces its wakeup: the default wakes only a consumer that has read

@@ -64,7 +64,8 @@ struct firn_event {
 	__u32 exec_id;
 	__u32 reserved;
 	char comm[FIRN_TASK_COMM_LEN];   /* comm of the thread that triggered it */
+	__u64 exe_ino;                   /* NEW: inode of the executable it ran (0: none) */
 };
-_Static_assert(sizeof(struct firn_event) == 40, "firn_event is 40 bytes");
+_Static_assert(sizeof(struct firn_event) == 48, "firn_event is 48 bytes");
 
 #endif
