@@ -305,6 +305,8 @@ fn read_bounded(
         }
     }
     buf.truncate(len);
+    // A record keeps some of these (cgroup) for rounds: not with 4 KiB of spare room.
+    buf.shrink_to_fit();
     Ok(buf)
 }
 
