@@ -62,7 +62,7 @@ counters! {
     events_exec: "exec events of sampled processes (the old program's record is closed)",
     events_exit: "exit events of sampled processes (record kept until its last round is sent)",
     events_malformed: "ring buffer records of an unexpected size or kind (ignored)",
-    processes_read_early: "process records read on a new-process event, before the round's end",
+    processes_read_early: "new-process events that had the process read from /proc at once, before the round's end",
     process_read_ns: "wall-clock nanoseconds spent reading process records from /proc",
     binary_handle_ns: "wall-clock nanoseconds spent taking binary handles",
     binary_handles_taken: "O_PATH handles taken of newly seen mapped files (for brokering after exit)",

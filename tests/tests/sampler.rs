@@ -443,6 +443,12 @@ fn clear_errors_for_bad_setup() {
     let (code, err) = run(&["--round", "601"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("--round"), "{err}");
+    let (code, err) = run(&["--events-buffer-kib", "48"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        err.contains("--events-buffer-kib") && err.contains("power of two"),
+        "{err}"
+    );
     let (code, err) = run(&["--socket", "/nonexistent-dir/x.sock"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("does not exist"), "{err}");

@@ -253,3 +253,48 @@ fn a_shell_that_execs_is_labelled_by_what_it_ran() {
     assert!(execs >= 1.0, "no exec event was counted");
     assert!(f.sampler.running());
 }
+
+/// A sampler that cannot keep up (stopped for a second) with a ring buffer of one page:
+/// the events that do not fit are lost and counted, the processes behind them are read
+/// at the round's end or sent with what BPF saw, and the sampler goes on. Sampling
+/// itself loses nothing: the samples are in the maps whether or not their process was
+/// announced.
+#[test]
+fn a_full_ring_buffer_is_counted_and_survived() {
+    if !can_run_bpf() {
+        return;
+    }
+    let exes = churn_binaries(20);
+    let mut f = Firn::start("ringfull", &[ROUND, &["--events-buffer-kib", "4"]].concat());
+    let churn_thread = {
+        let exes = exes.clone();
+        std::thread::spawn(move || churn(&exes, 8, 200, 4))
+    };
+    std::thread::sleep(2 * SECS);
+    f.sampler.signal(nix::sys::signal::Signal::SIGSTOP);
+    std::thread::sleep(SECS);
+    f.sampler.signal(nix::sys::signal::Signal::SIGCONT);
+    let started = churn_thread.join().unwrap();
+    let a = settled(&f);
+    let lost = f.metric("firn_sampler_bpf_events_lost").unwrap_or(0.0);
+    let counts_full = f.metric("firn_sampler_bpf_counts_map_full").unwrap_or(0.0);
+    eprintln!(
+        "ring buffer of 4 KiB, sampler stopped 1 s: {started} processes, events lost {lost}, \
+         attributed {:.1} %",
+        100.0 * a.share(a.attributed)
+    );
+    assert!(
+        lost > 0.0,
+        "no event was lost with a one-page buffer and a stopped sampler"
+    );
+    assert_eq!(counts_full, 0.0, "samples lost");
+    assert_eq!(
+        a.wrong, 0,
+        "samples labelled with another executable: {a:?}"
+    );
+    assert!(
+        a.share(a.attributed) >= 0.5,
+        "attribution collapsed after the losses: {a:?}"
+    );
+    assert!(f.sampler.running() && f.enricher.as_mut().is_some_and(Proc::running));
+}
