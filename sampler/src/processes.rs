@@ -261,7 +261,7 @@ impl ProcessTable {
                 && user.iter().any(|&a| !k.covers(a))
             {
                 let before = k.record.wire_bytes();
-                let read = refresh(k, round, counters, self.read_left);
+                let read = refresh(k, round, &self.handles, counters, self.read_left);
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
             }
@@ -386,16 +386,24 @@ impl ProcessTable {
 }
 
 /// Reads the mappings of `k` again if the budget allows; returns the bytes read.
-fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usize {
+/// Libraries loaded since (dlopen) get handles too, so they are brokered after exit.
+fn refresh(
+    k: &mut Known,
+    round: u64,
+    handles: &RefCell<Handles>,
+    counters: &Counters,
+    budget: usize,
+) -> usize {
     if budget == 0 {
         // Tried again next round, without backing off.
         return 0;
     }
     bump(&counters.mapping_refreshes);
     let mut read = 0;
-    match procfs::read_mappings(k.record.pid) {
-        Ok((maps, n)) if maps != k.record.mappings => {
+    match procfs::read_mappings(k.record.pid, k.start_ns) {
+        Ok((maps, n, dir)) if maps != k.record.mappings => {
             read = n;
+            handles.borrow_mut().take(&dir, &maps, counters);
             let mut rec = (*k.record).clone();
             rec.mappings = maps;
             if rec.trim_to(procfs::MAX_RECORD_BYTES) {
@@ -406,7 +414,7 @@ fn refresh(k: &mut Known, round: u64, counters: &Counters, budget: usize) -> usi
             k.version += 1;
             k.backoff = 1;
         }
-        Ok((_, n)) => {
+        Ok((_, n, _)) => {
             read = n;
             k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF);
         }

@@ -197,11 +197,13 @@ pub fn read_process_at(
     Ok((record, read, dir))
 }
 
-/// Reads only the executable mappings again (after a sample fell outside them). Also
-/// returns the bytes read.
-pub fn read_mappings(pid: u32) -> Result<(Vec<Mapping>, usize), ProcError> {
-    let dir = open_proc_dir(pid)?;
-    read_maps(&dir, pid)
+/// Reads only the executable mappings again (after a sample fell outside them), of the
+/// process that started at `start_ns` (not a successor with its pid). Also returns the
+/// bytes read and the verified `/proc/<pid>` directory fd.
+pub fn read_mappings(pid: u32, start_ns: u64) -> Result<(Vec<Mapping>, usize, OwnedFd), ProcError> {
+    let dir = open_verified(pid, start_ns)?;
+    let (maps, n) = read_maps(&dir, pid)?;
+    Ok((maps, n, dir))
 }
 
 /// The start time of `pid` as the BPF program reports it (boot-time ns, at the clock
