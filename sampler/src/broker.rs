@@ -40,16 +40,11 @@ use crate::procfs::{self, Mapping, ProcError, ProcessRecord};
 pub fn open_mapping(
     record: &ProcessRecord,
     index: usize,
-    handles: &mut Handles,
+    handles: &Handles,
     c: &crate::counters::Counters,
 ) -> Result<OwnedFd, Refusal> {
     let m = record.mappings.get(index).ok_or(Refusal::UnknownMapping)?;
-    if m.path.ends_with(b" (deleted)") {
-        return Err(Refusal::Deleted);
-    }
-    if m.path.first() != Some(&b'/') {
-        return Err(Refusal::NotRegularFile);
-    }
+    walkable(m)?;
     if let Some(opened) = handles.open(crate::handles::file_id(m)) {
         crate::counters::bump(&c.broker_opened_from_handle);
         return opened;
@@ -58,14 +53,31 @@ pub fn open_mapping(
         ProcError::Gone { .. } | ProcError::Reused { .. } => Refusal::ProcessGone,
         _ => Refusal::OpenFailed,
     })?;
-    let root = openat(
-        dir.as_fd(),
+    reopen_read_only(&checked_handle(&open_root(&dir)?, m)?)
+}
+
+/// Whether `m` names a file a walk could reach: an absolute path that the kernel did
+/// not mark deleted.
+pub fn walkable(m: &Mapping) -> Result<(), Refusal> {
+    if m.path.ends_with(b" (deleted)") {
+        return Err(Refusal::Deleted);
+    }
+    if m.path.first() != Some(&b'/') {
+        return Err(Refusal::NotRegularFile);
+    }
+    Ok(())
+}
+
+/// An `O_PATH` handle of the root directory of the process whose `/proc/<pid>`
+/// directory is `proc_dir`: where its paths are resolved.
+pub fn open_root(proc_dir: &OwnedFd) -> Result<OwnedFd, Refusal> {
+    openat(
+        proc_dir.as_fd(),
         "root",
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|_| Refusal::ProcessGone)?;
-    reopen_read_only(&checked_handle(&root, m)?)
+    .map_err(|_| Refusal::ProcessGone)
 }
 
 /// An `O_PATH` handle of `m`'s path resolved inside `root`, once it is a regular file
@@ -319,7 +331,7 @@ mod tests {
             let record = record_for(path, meta.dev(), meta.ino());
             assert!(
                 matches!(
-                    open_mapping(&record, 0, &mut Handles::new(0), &Default::default()),
+                    open_mapping(&record, 0, &Handles::new(0), &Default::default()),
                     Err(Refusal::NotRegularFile)
                 ),
                 "{} was not refused as not a regular file",
@@ -331,7 +343,7 @@ mod tests {
             symlink(path, &link).unwrap();
             let record = record_for(&link, meta.dev(), meta.ino());
             assert!(matches!(
-                open_mapping(&record, 0, &mut Handles::new(0), &Default::default()),
+                open_mapping(&record, 0, &Handles::new(0), &Default::default()),
                 Err(Refusal::NotRegularFile)
             ));
         }

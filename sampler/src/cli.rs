@@ -65,7 +65,7 @@ pub struct Args {
     /// Handles of recently mapped files kept so that binaries of exited processes can
     /// still be brokered (0–65536; each is one file descriptor; fewer if RLIMIT_NOFILE's
     /// hard limit is lower). 0: only binaries of live processes are brokered.
-    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(0..=65_536))]
+    #[arg(long, default_value_t = crate::handles::MAX_HANDLES as u32, value_parser = clap::value_parser!(u32).range(0..=65_536))]
     pub binary_handles: u32,
 
     /// After setup, run as this user (name or uid) instead of root, keeping only

@@ -67,6 +67,7 @@ counters! {
     binary_handle_ns: "wall-clock nanoseconds spent taking binary handles",
     binary_handles_taken: "O_PATH handles taken of newly seen mapped files (for brokering after exit)",
     binary_handles_failed: "mapped files no handle could be taken of (not regular, identity mismatch, gone)",
+    binary_handles_skipped: "new mapped files not walked to: the round's walk budget was spent (brokered by path while their process lives)",
     binary_handles_evicted: "handles closed early because the handle bound was reached",
     binary_handles_expired: "handles closed after rounds without use",
     broker_opened_from_handle: "broker opens served from a held handle (the process may have exited)",

@@ -8,15 +8,14 @@
 //!
 //! Bounded: at most `max` handles (the oldest goes first, counted) and each is closed
 //! once no record has referred to it and no broker request has used it for
-//! [`IDLE_ROUNDS`] rounds. A handle pins its inode (a deleted binary's blocks stay
+//! [`IDLE_ROUNDS`] rounds; at most [`WALKS_PER_ROUND`] new files are walked to per
+//! round. A handle pins its inode (a deleted binary's blocks stay
 //! allocated) and its mount (an unmount without MNT_DETACH gets EBUSY) until then.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
 use firn_schema::firn_capnp::Refusal;
-use nix::fcntl::{openat, OFlag};
-use nix::sys::stat::Mode;
 
 use crate::counters::{bump, Counters};
 use crate::procfs::Mapping;
@@ -26,6 +25,9 @@ use crate::procfs::Mapping;
 pub const IDLE_ROUNDS: u64 = 3;
 /// Handles held at most by default (each is one fd); lowered to fit RLIMIT_NOFILE.
 pub const MAX_HANDLES: usize = 4096;
+/// Path walks to take new handles per round at most (each is one `openat` and `fstat`
+/// per path component, symlinks included).
+pub const WALKS_PER_ROUND: u32 = 2048;
 /// File descriptors left for everything else (clients, /proc reads, BPF).
 pub const RESERVED_FDS: usize = 512;
 
@@ -45,6 +47,8 @@ pub struct Handles {
     by_file: HashMap<FileId, Held>,
     max: usize,
     round: u64,
+    /// Path walks still allowed this round.
+    walks_left: u32,
 }
 
 impl Handles {
@@ -55,6 +59,7 @@ impl Handles {
             by_file: HashMap::new(),
             max,
             round: 0,
+            walks_left: WALKS_PER_ROUND,
         }
     }
 
@@ -80,22 +85,25 @@ impl Handles {
                 h.used = self.round;
                 continue;
             }
-            if m.path.first() != Some(&b'/') || m.path.ends_with(b" (deleted)") {
+            if crate::broker::walkable(m).is_err() {
                 continue;
             }
+            if self.walks_left == 0 {
+                // A process can map many files behind long symlink chains; the walks it
+                // can cause per round are bounded. Its binaries are still reached by
+                // the broker's walk while it lives.
+                bump(&c.binary_handles_skipped);
+                continue;
+            }
+            self.walks_left -= 1;
             if root.is_none() {
-                root = match openat(
-                    proc_dir.as_fd(),
-                    "root",
-                    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-                    Mode::empty(),
-                ) {
-                    Ok(r) => Some(r),
+                match crate::broker::open_root(proc_dir) {
+                    Ok(r) => root = Some(r),
                     Err(_) => {
                         bump(&c.binary_handles_failed);
                         return;
                     }
-                };
+                }
             }
             let Some(root) = root.as_ref() else { return };
             match crate::broker::checked_handle(root, m) {
@@ -117,16 +125,19 @@ impl Handles {
         }
     }
 
-    /// Opens the held file `id` read-only, if a handle of it is held.
-    pub fn open(&mut self, id: FileId) -> Option<Result<OwnedFd, Refusal>> {
-        let h = self.by_file.get_mut(&id)?;
-        h.used = self.round;
+    /// Opens the held file `id` read-only, if a handle of it is held. A request does not
+    /// extend the handle's life: only records read do, so a client asking again and
+    /// again cannot keep a file (and its mount) pinned.
+    pub fn open(&self, id: FileId) -> Option<Result<OwnedFd, Refusal>> {
+        let h = self.by_file.get(&id)?;
         Some(crate::broker::reopen_read_only(&h.fd))
     }
 
-    /// Starts round `round`: handles unused for [`IDLE_ROUNDS`] are closed.
+    /// Starts round `round`: handles unused for [`IDLE_ROUNDS`] are closed and the
+    /// round's walks are available again.
     pub fn end_round(&mut self, round: u64, c: &Counters) {
         self.round = round;
+        self.walks_left = WALKS_PER_ROUND;
         let before = self.by_file.len();
         self.by_file
             .retain(|_, h| round.saturating_sub(h.used) < IDLE_ROUNDS);
@@ -165,7 +176,9 @@ pub fn fit_to_fd_limit(wanted: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use nix::sys::stat::fstat;
+    use nix::fcntl::OFlag;
+    use nix::sys::stat::{fstat, Mode};
+    use std::os::fd::AsFd;
 
     fn mapping_of(path: &std::path::Path) -> Mapping {
         let st = fstat(
@@ -253,6 +266,30 @@ mod tests {
         fifo.path = b"/dev/null".to_vec();
         h.take(&own_proc(), &[fifo], &c);
         assert_eq!(c.binary_handles_failed.get(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn walks_per_round_are_bounded() {
+        let c = Counters::default();
+        let dir = std::env::temp_dir().join(format!("firn-handles-w-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let maps: Vec<Mapping> = ["a", "b"]
+            .iter()
+            .map(|n| {
+                let f = dir.join(n);
+                std::fs::write(&f, n).unwrap();
+                mapping_of(&f)
+            })
+            .collect();
+        let mut h = Handles::new(8);
+        h.walks_left = 1;
+        h.take(&own_proc(), &maps, &c);
+        assert_eq!((h.len(), c.binary_handles_skipped.get()), (1, 1));
+        // The next round walks again.
+        h.end_round(1, &c);
+        h.take(&own_proc(), &maps, &c);
+        assert_eq!(h.len(), 2);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

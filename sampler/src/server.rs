@@ -254,7 +254,7 @@ impl SubscriptionImpl {
         let fd = crate::broker::open_mapping(
             &record,
             index as usize,
-            &mut self.shared.handles.borrow_mut(),
+            &self.shared.handles.borrow(),
             &self.shared.counters,
         )?;
         let ticket = self.sub.next_ticket.get() + 1;
