@@ -134,15 +134,11 @@ fn clock_ticks() -> u64 {
 
 /// Reads the record of `pid`, whose thread-group leader started at `start_ns`
 /// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
-/// names another process. Also returns the bytes read from /proc.
-pub fn read_process(pid: u32, start_ns: u64) -> Result<(ProcessRecord, usize), ProcError> {
-    read_process_at(pid, start_ns, 0).map(|(r, n, _)| (r, n))
-}
-
-/// [`read_process`], also returning the verified `/proc/<pid>` directory fd (to take
-/// handles of the mapped files through the process's root). With `exe_ino` not 0, the
-/// process must still run the executable with that inode (as BPF saw it): otherwise it
-/// exec'd meanwhile and /proc describes its next program (`Execed`).
+/// names another process. Also returns the bytes read from /proc and the verified
+/// `/proc/<pid>` directory fd (to take handles of the mapped files through the
+/// process's root). With `exe_ino` not 0, the process must still run the executable
+/// with that inode (as BPF saw it): otherwise it exec'd meanwhile and /proc describes
+/// its next program (`Execed`).
 pub fn read_process_at(
     pid: u32,
     start_ns: u64,
@@ -520,12 +516,13 @@ mod tests {
         let me = std::process::id();
         let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
         let ticks = parse_stat(&stat).unwrap().start_ticks;
-        let (rec, read) = read_process(me, ticks * (1_000_000_000 / clock_ticks())).unwrap();
+        let (rec, read, _) =
+            read_process_at(me, ticks * (1_000_000_000 / clock_ticks()), 0).unwrap();
         assert!(read > 0);
         assert!(rec.complete);
         assert!(!rec.mappings.is_empty());
         assert!(matches!(
-            read_process(me, (ticks + 5) * (1_000_000_000 / clock_ticks())),
+            read_process_at(me, (ticks + 5) * (1_000_000_000 / clock_ticks()), 0),
             Err(ProcError::Reused { .. })
         ));
         // BPF saw another executable: the process exec'd since; this one runs on.
