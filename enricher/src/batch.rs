@@ -1,7 +1,7 @@
 //! Batches from the sampler, read into owned values with every list checked against
 //! the schema's limits. Anything over a limit rejects the whole batch.
 
-use firn_schema::firn_capnp::{batch, StackStatus};
+use firn_schema::firn_capnp::{batch, StackStatus, UnwindEnd};
 use firn_schema::limits;
 use serde::Serialize;
 
@@ -66,6 +66,8 @@ pub struct Sample {
     pub kernel_frames: Vec<u32>,
     pub user_stack: Stack,
     pub kernel_stack: Stack,
+    /// Why the unwinder stopped early, when the stack is known to be cut short.
+    pub user_end: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -94,6 +96,19 @@ fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
 fn bytes(d: capnp::data::Reader<'_>, what: &'static str) -> Result<String, DecodeError> {
     check(what, d.len() as u32, limits::MAX_PATH_BYTES)?;
     Ok(String::from_utf8_lossy(d).into_owned())
+}
+
+/// The marker frame of a user stack the unwinder could not finish. Stacks that ended
+/// while walking frame pointers get none: they may well be whole.
+fn unwind_marker(e: Result<UnwindEnd, capnp::NotInSchema>) -> Option<&'static str> {
+    match e {
+        Ok(UnwindEnd::NoMapping) => Some("[unwind stopped: code outside file mappings (JIT, anonymous, vDSO)]"),
+        Ok(UnwindEnd::Unsupported) => Some("[unwind stopped: unsupported CFA rule]"),
+        Ok(UnwindEnd::ReadFault) => Some("[unwind stopped: stack memory unreadable]"),
+        Ok(UnwindEnd::DepthLimit) => Some("[unwind stopped: 127-frame limit]"),
+        Ok(_) => None,
+        Err(_) => Some("[unwind stopped: unknown reason]"),
+    }
 }
 
 fn stack(s: Result<StackStatus, capnp::NotInSchema>) -> Stack {
@@ -194,6 +209,11 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
             kernel_frames,
             user_stack: stack(s.get_user_stack()),
             kernel_stack: stack(s.get_kernel_stack()),
+            user_end: if user.is_empty() {
+                None
+            } else {
+                unwind_marker(s.get_user_stack_end())
+            },
         });
     }
     let forgotten = b.get_forgotten_processes()?;

@@ -7,7 +7,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use firn_schema::firn_capnp::{open_result, subscription, Refusal};
+use firn_schema::firn_capnp::{open_result, subscription, table_result, Refusal, TableRefusal};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
@@ -34,6 +34,16 @@ pub struct Broker {
     busy: tokio::sync::Mutex<()>,
     /// Fds that arrived for tickets nobody waits for any more.
     stray: RefCell<u64>,
+    /// Unwind tables sent on this subscription (they last as long as it does).
+    pub tables: RefCell<crate::unwind::Sent>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TableSendError {
+    #[error("the sampler refused the table: {0:?}")]
+    Refused(TableRefusal),
+    #[error("table call failed: {0}")]
+    Rpc(#[from] capnp::Error),
 }
 
 impl Broker {
@@ -58,7 +68,41 @@ impl Broker {
                 .map_err(|e| BrokerError::Channel(e.into()))?,
             busy: tokio::sync::Mutex::new(()),
             stray: RefCell::new(0),
+            tables: RefCell::new(crate::unwind::Sent::default()),
         })
+    }
+
+    /// Sends the unwind table (`rows`, 8 bytes each) of mapping `index` of process
+    /// `process_id`, in chunks; the sampler takes it for that file in every process.
+    pub async fn load_table(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        rows: &[u8],
+    ) -> Result<(), TableSendError> {
+        let row = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
+        let total = u32::try_from(rows.len() / row)
+            .map_err(|_| TableSendError::Refused(TableRefusal::TooLarge))?;
+        let chunk = firn_schema::limits::MAX_TABLE_CHUNK_ROWS as usize * row;
+        for (i, part) in rows.chunks(chunk).enumerate() {
+            let mut req = self.subscription.load_unwind_table_request();
+            let mut p = req.get();
+            p.set_process_id(process_id);
+            p.set_mapping_index(index);
+            p.set_mappings_version(version);
+            p.set_first_row((i * chunk / row) as u32);
+            p.set_total_rows(total);
+            p.set_rows(part);
+            let reply = req.send().promise.await?;
+            match reply.get()?.get_result()?.which().map_err(capnp::Error::from)? {
+                table_result::Done(()) => {}
+                table_result::Refused(r) => {
+                    return Err(TableSendError::Refused(r.unwrap_or(TableRefusal::OutOfOrder)))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The file of mapping `index` (as of `version`) of process `process_id`.

@@ -16,6 +16,9 @@ use crate::symbolize::{BinaryId, Lines, Symbolizer};
 const MAX_OPENS_PER_ROUND: usize = 256;
 /// Rounds before a binary the broker refused is asked for again.
 const RETRY_ROUNDS: u64 = 6;
+/// Unwind tables built and sent per round at most (a busy node's binaries arrive over a
+/// few rounds rather than stalling one).
+const MAX_TABLES_PER_ROUND: usize = 24;
 
 /// The symbolized content of one round.
 pub struct Round {
@@ -122,6 +125,118 @@ impl Enricher {
         }
     }
 
+    /// Builds and sends the unwind tables of the files sampled processes map that this
+    /// subscription has not sent yet: all executable mappings of each, so that the
+    /// unwinder can cross into libraries no frame has reached so far.
+    async fn send_tables(&mut self, batch: &Batch, broker: Option<&Broker>) {
+        let Some(broker) = broker else { return };
+        let round = batch.round;
+        let mut wanted: Vec<(u64, usize, (u64, u64))> = Vec::new();
+        {
+            let sent = broker.tables.borrow();
+            let mut seen = std::collections::HashSet::new();
+            for s in &batch.samples {
+                if wanted.len() >= MAX_TABLES_PER_ROUND {
+                    break;
+                }
+                if !seen.insert(s.process_id) {
+                    continue;
+                }
+                let Some(e) = self.processes.get(s.process_id) else {
+                    continue;
+                };
+                for (idx, m) in e.record.mappings.iter().enumerate() {
+                    let file = (dev_of(m), m.inode);
+                    if sent.wants(file, round)
+                        && !wanted.iter().any(|w| w.2 == file)
+                        && wanted.len() < MAX_TABLES_PER_ROUND
+                    {
+                        wanted.push((s.process_id, idx, file));
+                    }
+                }
+            }
+        }
+        for (pid_id, idx, file) in wanted {
+            let Some(e) = self.processes.get(pid_id) else {
+                continue;
+            };
+            let version = e.record.mappings_version;
+            let path = e.record.mappings[idx].path.clone();
+            let state = self.send_table(broker, pid_id, idx as u32, version, &path, round).await;
+            broker.tables.borrow_mut().set(file, state);
+        }
+    }
+
+    async fn send_table(
+        &self,
+        broker: &Broker,
+        pid_id: u64,
+        idx: u32,
+        version: u32,
+        path: &str,
+        round: u64,
+    ) -> crate::unwind::State {
+        use crate::unwind::State;
+        let m = &self.metrics;
+        Metrics::inc(&m.broker_requests);
+        let fd = match broker.open(pid_id, idx, version).await {
+            Ok(fd) => fd,
+            Err(BrokerError::Refused(r)) => {
+                Metrics::inc(&m.broker_refusals);
+                tracing::debug!(path, reason = ?r, "broker refused a binary for its unwind table");
+                return State::Retry(round + RETRY_ROUNDS);
+            }
+            Err(e) => {
+                Metrics::inc(&m.broker_errors);
+                tracing::warn!(error = %e, "broker request failed");
+                return State::Retry(round + 1);
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let built = crate::unwind::build_from_fd(fd);
+        Metrics::add(
+            &m.unwind_table_build_ns,
+            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+        let table = match built {
+            Ok(t) if !t.rows.is_empty() => t,
+            Ok(_) | Err(_) => {
+                Metrics::inc(&m.unwind_table_build_errors);
+                if let Err(e) = built {
+                    tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
+                }
+                return State::Given;
+            }
+        };
+        Metrics::inc(&m.unwind_tables_built);
+        let rows = table.rows.len();
+        match broker.load_table(pid_id, idx, version, &table.bytes()).await {
+            Ok(()) => {
+                Metrics::inc(&m.unwind_tables_sent);
+                Metrics::add(&m.unwind_table_rows_sent, rows as u64);
+                tracing::debug!(path, rows, fdes = table.fdes, source = ?table.source, "unwind table sent");
+                State::Loaded
+            }
+            Err(crate::broker::TableSendError::Refused(r)) => {
+                Metrics::inc(&m.unwind_tables_refused);
+                tracing::info!(path, rows, reason = ?r, "the sampler refused an unwind table; this binary is walked by frame pointers");
+                use firn_schema::firn_capnp::TableRefusal as T;
+                match r {
+                    T::RateLimited | T::OutOfOrder | T::UnknownProcess | T::UnknownMapping => {
+                        State::Retry(round + 1)
+                    }
+                    T::NoRoom => State::Retry(round + RETRY_ROUNDS),
+                    _ => State::Given,
+                }
+            }
+            Err(e) => {
+                Metrics::inc(&m.unwind_table_send_errors);
+                tracing::warn!(path, error = %e, "sending an unwind table failed");
+                State::Retry(round + 1)
+            }
+        }
+    }
+
     /// Build id (hex) and strippedness of the process's main executable, once its
     /// binary is loaded.
     fn exe_facts(&self, e: &Entry) -> (Option<String>, Option<bool>) {
@@ -157,6 +272,7 @@ impl Enricher {
             self.processes.touch(s.process_id, batch.round);
         }
         self.fetch_binaries(&batch, broker).await;
+        self.send_tables(&batch, broker).await;
 
         // Pass 1: every (binary, offset) to symbolize, per binary.
         let mut wanted: HashMap<BinaryId, Vec<u64>> = HashMap::new();
@@ -287,6 +403,10 @@ impl Enricher {
                         }
                     };
                 frames.push(frame);
+            }
+            if let Some(marker) = s.user_end {
+                Metrics::inc(&m.user_stacks_incomplete);
+                frames.push(Frame::Kernel(Arc::from(marker)));
             }
             if frames.is_empty() {
                 // Neither stack could be read: keep the sample's weight on its process.

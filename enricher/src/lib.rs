@@ -16,3 +16,4 @@ pub mod profile;
 pub mod sinks;
 pub mod summary;
 pub mod symbolize;
+pub mod unwind;

@@ -97,6 +97,14 @@ metrics! {
     kubernetes_watch_errors: "Kubernetes pod watch errors (the watch resumes with backoff)",
     kubernetes_pending: "label sets computed while a container's pod was not yet known (retried next round)",
     config_reload_errors: "SIGHUP reloads refused (invalid file; previous config kept)",
+    unwind_tables_built: "unwind tables built from a binary's CFI",
+    unwind_table_build_errors: "binaries no unwind table could be built from (no CFI, malformed, not x86_64)",
+    unwind_table_build_ns: "nanoseconds spent building unwind tables",
+    unwind_tables_sent: "unwind tables the sampler took",
+    unwind_table_rows_sent: "unwind rows the sampler took",
+    unwind_tables_refused: "unwind tables the sampler refused (see log: budget, owner, rate)",
+    unwind_table_send_errors: "unwind tables whose sending failed in transport",
+    user_stacks_incomplete: "user stacks the unwinder ended early (a marker frame names why)",
 }
 
 impl Metrics {

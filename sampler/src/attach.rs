@@ -1,7 +1,12 @@
 //! Loads the BPF program and attaches it to a cpu-clock perf event on every online CPU.
 
+use std::cell::RefCell;
 use std::mem::MaybeUninit;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::rc::Rc;
+
+use crate::counters::Counters;
+use crate::unwind::{Limits, Unwind};
 
 use firn_sampler_bpf::{ProfileSkel, ProfileSkelBuilder};
 use libbpf_rs::libbpf_sys;
@@ -40,6 +45,10 @@ pub enum AttachError {
     },
     #[error("setting up the process event ring buffer ({kib} KiB): {source}")]
     Events { kib: u32, source: libbpf_rs::Error },
+    #[error("sizing the unwind row pool ({rows} rows): {source}")]
+    Rows { rows: u32, source: libbpf_rs::Error },
+    #[error("keeping the unwinder's map fds: {0}")]
+    MapFd(std::io::Error),
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
@@ -50,6 +59,8 @@ pub struct Sampling {
     /// The exec and exit hooks.
     _hooks: [Link; 2],
     pub events: crate::events::Events,
+    /// The unwinder's tables and process mappings (shared with the server).
+    pub unwind: Rc<RefCell<Unwind>>,
 }
 
 impl crate::rounds::MapSets for Sampling {
@@ -62,14 +73,21 @@ impl crate::rounds::MapSets for Sampling {
     }
 
     fn drain(&mut self, set: u32) -> Result<crate::drain::Drained, crate::drain::DrainError> {
-        use std::os::fd::AsFd;
         let maps = &self.skel.maps;
-        let (counts, stacks) = if set == 0 {
-            (maps.counts_0.as_fd(), maps.stacks_0.as_fd())
+        let (counts, stacks, ustacks) = if set == 0 {
+            (
+                maps.counts_0.as_fd(),
+                maps.stacks_0.as_fd(),
+                maps.ustacks_0.as_fd(),
+            )
         } else {
-            (maps.counts_1.as_fd(), maps.stacks_1.as_fd())
+            (
+                maps.counts_1.as_fd(),
+                maps.stacks_1.as_fd(),
+                maps.ustacks_1.as_fd(),
+            )
         };
-        crate::drain::drain(counts, stacks)
+        crate::drain::drain(counts, stacks, ustacks)
     }
 
     fn counter(&self, slot: firn_sampler_bpf::types::firn_counter) -> Option<u64> {
@@ -97,6 +115,23 @@ impl crate::rounds::MapSets for Sampling {
             let _ = self.skel.maps.seen.delete(bytes);
         }
     }
+
+    fn set_mappings(
+        &mut self,
+        fresh: &[(crate::processes::ProcKey, Rc<crate::procfs::ProcessRecord>)],
+    ) {
+        let mut u = self.unwind.borrow_mut();
+        for (key, rec) in fresh {
+            u.set_process(*key, rec);
+        }
+    }
+
+    fn forget_mappings(&mut self, keys: &[crate::processes::ProcKey]) {
+        let mut u = self.unwind.borrow_mut();
+        for key in keys {
+            u.forget_process(*key);
+        }
+    }
 }
 
 impl Sampling {
@@ -112,7 +147,12 @@ impl Sampling {
 
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
 /// two, at least one page) and attaches it to every online CPU and to exec and exit.
-pub fn load_and_attach(frequency: u32, events_kib: u32) -> Result<Sampling, AttachError> {
+pub fn load_and_attach(
+    frequency: u32,
+    events_kib: u32,
+    limits: Limits,
+    counters: Rc<Counters>,
+) -> Result<Sampling, AttachError> {
     // The skeleton borrows its object storage for its whole life; the sampler keeps the
     // program until exit, so the storage lives as long as the process.
     let storage: &'static mut MaybeUninit<libbpf_rs::OpenObject> =
@@ -127,7 +167,23 @@ pub fn load_and_attach(frequency: u32, events_kib: u32) -> Result<Sampling, Atta
             kib: events_kib,
             source,
         })?;
+    // An array needs one entry; with --unwind-rows 0 it stays unused.
+    let pool = limits.pool_rows.max(1);
+    open.maps
+        .rows
+        .set_max_entries(pool)
+        .map_err(|source| AttachError::Rows { rows: pool, source })?;
     let skel = open.load().map_err(AttachError::Load)?;
+    // Duplicated now: the server writes these maps after confinement, apart from the
+    // skeleton the round loop holds.
+    let dup = |m: &libbpf_rs::Map<'_>| m.as_fd().try_clone_to_owned().map_err(AttachError::MapFd);
+    let unwind = Unwind::new(
+        dup(&skel.maps.rows)?,
+        dup(&skel.maps.tables)?,
+        dup(&skel.maps.procmaps)?,
+        limits,
+        counters,
+    );
     let hooks = [
         skel.progs
             .firn_exec
@@ -172,6 +228,7 @@ pub fn load_and_attach(frequency: u32, events_kib: u32) -> Result<Sampling, Atta
         cpus,
         _hooks: hooks,
         events,
+        unwind: Rc::new(RefCell::new(unwind)),
     })
 }
 

@@ -68,6 +68,18 @@ pub struct Args {
     #[arg(long, default_value_t = crate::handles::MAX_HANDLES as u32, value_parser = clap::value_parser!(u32).range(0..=65_536))]
     pub binary_handles: u32,
 
+    /// Rows of the unwind table pool shared by all binaries (0–67108864; 8 bytes each,
+    /// kernel memory allocated at start). The enricher builds a table per binary from its
+    /// CFI so that code without frame pointers unwinds whole; tables of binaries no
+    /// known process maps are evicted to make room. 0: no tables, frame pointers only.
+    #[arg(long, default_value_t = crate::unwind::DEFAULT_POOL_ROWS, value_parser = clap::value_parser!(u32).range(0..=(64 << 20)))]
+    pub unwind_rows: u32,
+
+    /// Rows one binary's table may have (1–16777215); a larger table is refused and
+    /// counted, and that binary is unwound by frame pointers.
+    #[arg(long, default_value_t = crate::unwind::DEFAULT_TABLE_ROWS, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::unwind::MAX_TABLE_ROWS)))]
+    pub unwind_table_rows: u32,
+
     /// After setup, run as this user (name or uid) instead of root, keeping only
     /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a
     /// compromised sampler. Binaries only root may reach (e.g. under a 0700 /root) can then

@@ -4,7 +4,8 @@
 //! `active_set`. The round flips it, waits [`GRACE`] so that no program run still
 //! writes the old set, then drains the old set here: counts by batched
 //! lookup-and-delete, then each referenced stack by lookup, then delete. A sample lands
-//! in exactly one set and is read exactly once.
+//! in exactly one set and is read exactly once. User stacks, unwound by the program
+//! itself, are in the set's ustacks map under a hash of their frames.
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -42,6 +43,15 @@ pub enum StackRef {
     Err(i32),
 }
 
+/// A user stack as the key names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UserRef {
+    /// Key in the drained set's ustacks map.
+    Hash(u64),
+    /// -errno: EFAULT no user stack, ENOMEM the map was full.
+    Err(i32),
+}
+
 #[derive(Debug, Clone)]
 pub struct RawSample {
     pub tgid: u32,
@@ -50,16 +60,20 @@ pub struct RawSample {
     /// The process's exec count: samples before and after an exec differ here.
     pub exec_id: u32,
     pub comm: [u8; COMM_LEN],
-    pub user: StackRef,
+    pub user: UserRef,
     pub kernel: StackRef,
+    /// Why the unwinder stopped (`enum firn_unwind_end`).
+    pub unwind_end: u32,
     pub count: u64,
 }
 
 #[derive(Debug, Default)]
 pub struct Drained {
     pub samples: Vec<RawSample>,
-    /// Frames of each stack id referenced by a sample (innermost first).
+    /// Frames of each kernel stack id referenced by a sample (innermost first).
     pub stacks: HashMap<u32, Vec<u64>>,
+    /// Frames of each user stack referenced by a sample (innermost first).
+    pub user_stacks: HashMap<u64, Vec<u64>>,
     /// Stacks referenced but not found in the stack map.
     pub stack_lookup_failures: u64,
 }
@@ -83,8 +97,13 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
         tid: key.tid,
         start_ns: key.start_ns,
         exec_id: key.exec_id,
-        user: stack(key.user_stack_id),
+        user: if key.user_status == 0 && key.user_stack != 0 {
+            UserRef::Hash(key.user_stack)
+        } else {
+            UserRef::Err(key.user_status.min(-1))
+        },
         kernel: stack(key.kern_stack_id),
+        unwind_end: key.unwind_end,
         comm: key.comm.map(|c| c as u8),
         count: 0,
     })
@@ -111,7 +130,11 @@ pub fn check_key_size(got: u32) -> Result<(), DrainError> {
 }
 
 /// Empties `counts` (a hash of key → u64) and the stacks its keys refer to.
-pub fn drain(counts: BorrowedFd<'_>, stacks: BorrowedFd<'_>) -> Result<Drained, DrainError> {
+pub fn drain(
+    counts: BorrowedFd<'_>,
+    stacks: BorrowedFd<'_>,
+    ustacks: BorrowedFd<'_>,
+) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
     let mut keys = vec![0u8; BATCH * KEY_SIZE];
     let mut values = vec![0u64; BATCH];
@@ -163,8 +186,29 @@ pub fn drain(counts: BorrowedFd<'_>, stacks: BorrowedFd<'_>) -> Result<Drained, 
     }
     let mut frames = vec![0u64; MAX_STACK_DEPTH];
     for s in &out.samples {
-        for r in [s.user, s.kernel] {
-            let StackRef::Id(id) = r else { continue };
+        let UserRef::Hash(hash) = s.user else { continue };
+        if out.user_stacks.contains_key(&hash) {
+            continue;
+        }
+        // SAFETY: key is a u64, value buffer holds MAX_STACK_DEPTH u64s (value_size).
+        let ret = unsafe {
+            libbpf_sys::bpf_map_lookup_and_delete_elem(
+                ustacks.as_raw_fd(),
+                (&hash as *const u64).cast(),
+                frames.as_mut_ptr().cast(),
+            )
+        };
+        if ret < 0 {
+            out.stack_lookup_failures += 1;
+            continue;
+        }
+        let depth = frames.iter().position(|&f| f == 0).unwrap_or(frames.len());
+        out.user_stacks.insert(hash, frames[..depth].to_vec());
+        frames.iter_mut().for_each(|f| *f = 0);
+    }
+    for s in &out.samples {
+        {
+            let StackRef::Id(id) = s.kernel else { continue };
             if out.stacks.contains_key(&id) {
                 continue;
             }
@@ -237,10 +281,11 @@ mod tests {
             tgid: 41,
             tid: 42,
             start_ns: 7_000_000_001,
-            user_stack_id: 3,
+            user_stack: 0xfeed,
+            user_status: 0,
             kern_stack_id: -libc::EFAULT,
             exec_id: 5,
-            reserved: 0,
+            unwind_end: 3,
             comm,
         };
         let mut bytes = [0u8; KEY_SIZE];
@@ -251,10 +296,11 @@ mod tests {
             (s.tgid, s.tid, s.start_ns, s.exec_id),
             (41, 42, 7_000_000_001, 5)
         );
-        assert_eq!(s.user, StackRef::Id(3));
+        assert_eq!(s.user, UserRef::Hash(0xfeed));
+        assert_eq!(s.unwind_end, 3);
         assert_eq!(s.kernel, StackRef::Err(-libc::EFAULT));
         assert_eq!(&s.comm[..6], b"worker");
         assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());
-        assert_eq!(KEY_SIZE, 48);
+        assert_eq!(KEY_SIZE, 56);
     }
 }

@@ -162,7 +162,10 @@ pub struct Allowed {
 
 // bpf(2) commands (linux/bpf.h, enum bpf_cmd).
 const BPF_MAP_LOOKUP_ELEM: u64 = 1;
+const BPF_MAP_UPDATE_ELEM: u64 = 2;
 const BPF_MAP_DELETE_ELEM: u64 = 3;
+const BPF_MAP_LOOKUP_AND_DELETE_ELEM: u64 = 21;
+const BPF_MAP_UPDATE_BATCH: u64 = 26;
 const BPF_MAP_LOOKUP_AND_DELETE_BATCH: u64 = 25;
 /// linux/perf_event.h: `_IO('$', 1)`.
 const PERF_EVENT_IOC_DISABLE: u64 = 0x2401;
@@ -267,14 +270,20 @@ macro_rules! allow_list {
                     arg: 0,
                     values: &[
                         (BPF_MAP_LOOKUP_ELEM, "BPF_MAP_LOOKUP_ELEM"),
+                        (BPF_MAP_UPDATE_ELEM, "BPF_MAP_UPDATE_ELEM"),
                         (BPF_MAP_DELETE_ELEM, "BPF_MAP_DELETE_ELEM"),
+                        (
+                            BPF_MAP_LOOKUP_AND_DELETE_ELEM,
+                            "BPF_MAP_LOOKUP_AND_DELETE_ELEM"
+                        ),
                         (
                             BPF_MAP_LOOKUP_AND_DELETE_BATCH,
                             "BPF_MAP_LOOKUP_AND_DELETE_BATCH"
                         ),
+                        (BPF_MAP_UPDATE_BATCH, "BPF_MAP_UPDATE_BATCH"),
                     ],
                 },
-                "drain the maps on held fds: counts by batch, stacks by lookup then delete; forget processes announced for discovery (delete); no program load, no map creation"
+                "map commands on the fds it holds, its own maps (it cannot get another: no CAP_BPF, no CAP_SYS_ADMIN, no map creation, no program load; seccomp cannot see the fd inside bpf_attr): drain counts by batch and stacks by lookup (and delete); forget announced processes; write checked unwind rows (batch), tables and process mappings (update)"
             ),
             allow!(SYS_accept4, Check::Any, SERVER),
             allow!(SYS_getsockopt, Check::Any, SERVER),

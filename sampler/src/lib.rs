@@ -22,3 +22,4 @@ pub mod round;
 pub mod rounds;
 pub mod serve;
 pub mod server;
+pub mod unwind;

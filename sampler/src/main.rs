@@ -78,7 +78,16 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         );
     }
 
-    let mut sampling = attach::load_and_attach(args.frequency, args.events_buffer_kib)?;
+    let counters = Rc::new(Counters::default());
+    let mut sampling = attach::load_and_attach(
+        args.frequency,
+        args.events_buffer_kib,
+        firn_sampler::unwind::Limits {
+            pool_rows: args.unwind_rows,
+            table_rows: args.unwind_table_rows,
+        },
+        counters.clone(),
+    )?;
     // Raised while setrlimit is still allowed: each handle is one fd.
     let max_handles = handles::fit_to_fd_limit(args.binary_handles as usize);
     if max_handles < args.binary_handles as usize {
@@ -155,7 +164,6 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     #[cfg(feature = "forbidden-probe")]
     probe::run();
 
-    let counters = Rc::new(Counters::default());
     let shared = Rc::new(Shared {
         hub: hub::Hub::new(args.queue_batches as usize, counters.clone()),
         counters,
@@ -164,6 +172,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         max_connections: args.max_connections,
         write_stall_limit: Duration::from_secs(args.write_stall_seconds),
         handles: handles.clone(),
+        unwind: sampling.unwind.clone(),
     });
     let rounds = Rounds::new(
         ProcessTable::default().with_handles(handles),

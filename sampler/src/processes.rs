@@ -90,6 +90,10 @@ pub struct ProcessTable {
     handles: Rc<RefCell<Handles>>,
     /// Processes forgotten while the BPF program may still count them as announced.
     unseen: Vec<ProcKey>,
+    /// Records read or re-read since the last `take_fresh` (for the unwinder's maps).
+    fresh: Vec<(ProcKey, Rc<ProcessRecord>)>,
+    /// Every process forgotten since the last `take_dropped`.
+    dropped: Vec<ProcKey>,
 }
 
 impl Default for ProcessTable {
@@ -185,6 +189,8 @@ impl ProcessTable {
             max_bytes,
             handles: Rc::new(RefCell::new(Handles::new(0))),
             unseen: Vec::new(),
+            fresh: Vec::new(),
+            dropped: Vec::new(),
         }
     }
 
@@ -256,12 +262,17 @@ impl ProcessTable {
                 k.record = Rc::new(record);
                 k.version += 1;
                 k.deferred = false;
+                self.fresh.push((key, k.record.clone()));
             } else if k.record.complete
                 && round >= k.next_refresh
                 && user.iter().any(|&a| !k.covers(a))
             {
                 let before = k.record.wire_bytes();
+                let version = k.version;
                 let read = refresh(k, round, &self.handles, counters, self.read_left);
+                if k.version != version {
+                    self.fresh.push((key, k.record.clone()));
+                }
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
             }
@@ -310,6 +321,9 @@ impl ProcessTable {
         if self.by_key.len() >= MAX_PROCESSES {
             self.evict_oldest(counters);
         }
+        if !deferred {
+            self.fresh.push((key, known.record.clone()));
+        }
         self.by_key.insert(key, known);
         self.shrink(counters);
         id
@@ -334,6 +348,7 @@ impl ProcessTable {
         let mut gone = Vec::new();
         let mut freed = 0;
         let unseen = &mut self.unseen;
+        let dropped = &mut self.dropped;
         self.by_key.retain(|key, k| {
             match k.ended {
                 Some(at) if round >= at + ENDED_ROUNDS => {}
@@ -350,6 +365,7 @@ impl ProcessTable {
                 }
             }
             gone.push(k.id);
+            dropped.push(*key);
             freed += k.record.wire_bytes();
             false
         });
@@ -364,10 +380,21 @@ impl ProcessTable {
         std::mem::take(&mut self.unseen)
     }
 
+    /// Records read from /proc since the last call (new, deferred or refreshed).
+    pub fn take_fresh(&mut self) -> Vec<(ProcKey, Rc<ProcessRecord>)> {
+        std::mem::take(&mut self.fresh)
+    }
+
+    /// Every process forgotten since the last call, whatever the reason.
+    pub fn take_dropped(&mut self) -> Vec<ProcKey> {
+        std::mem::take(&mut self.dropped)
+    }
+
     fn evict_oldest(&mut self, counters: &Counters) {
         if let Some((&key, _)) = self.by_key.iter().min_by_key(|(_, k)| k.last_seen) {
             if let Some(k) = self.by_key.remove(&key) {
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes());
+                self.dropped.push(key);
                 if k.ended.is_none() {
                     self.unseen.push(key);
                 }

@@ -7,7 +7,7 @@ use std::rc::Rc;
 use firn_sampler_bpf::COMM_LEN;
 
 use crate::counters::{add, bump, Counters};
-use crate::drain::{Drained, StackRef};
+use crate::drain::{Drained, StackRef, UserRef};
 use crate::kallsyms::Kallsyms;
 use crate::processes::ProcessTable;
 use crate::procfs::ProcessRecord;
@@ -30,6 +30,8 @@ pub struct Sample {
     pub kernel: Vec<u32>,
     pub user_status: StackStatus,
     pub kernel_status: StackStatus,
+    /// Why the unwinder stopped (`enum firn_unwind_end`).
+    pub unwind_end: u32,
 }
 
 /// A process record as issued to subscribers: its session id and mapping version.
@@ -70,6 +72,16 @@ fn user_prefix(frames: &[u64]) -> &[u64] {
     &frames[..n]
 }
 
+fn user_status(r: UserRef, drained: &Drained) -> StackStatus {
+    match r {
+        UserRef::Hash(h) if drained.user_stacks.contains_key(&h) => StackStatus::Ok,
+        UserRef::Hash(_) => StackStatus::Lost,
+        UserRef::Err(e) if e == -libc::EFAULT => StackStatus::Absent,
+        UserRef::Err(e) if e == -libc::ENOMEM => StackStatus::Lost,
+        UserRef::Err(_) => StackStatus::Error,
+    }
+}
+
 fn status(r: StackRef, drained: &Drained) -> StackStatus {
     match r {
         StackRef::Id(id) if drained.stacks.contains_key(&id) => StackStatus::Ok,
@@ -90,7 +102,7 @@ pub fn assemble(
 ) -> RoundData {
     let mut symbols: Vec<Rc<[u8]>> = Vec::new();
     let mut symbol_index: HashMap<Option<u32>, u32> = HashMap::new();
-    let mut user_stacks: HashMap<u32, Rc<[u64]>> = HashMap::new();
+    let mut user_stacks: HashMap<u64, Rc<[u64]>> = HashMap::new();
     let mut kernel_stacks: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut processes: HashMap<u64, Issued> = HashMap::new();
     let empty: Rc<[u64]> = Rc::from(Vec::new());
@@ -98,7 +110,7 @@ pub fn assemble(
 
     for raw in &drained.samples {
         let user = match raw.user {
-            StackRef::Id(id) => match drained.stacks.get(&id) {
+            UserRef::Hash(id) => match drained.user_stacks.get(&id) {
                 Some(frames) => user_stacks
                     .entry(id)
                     .or_insert_with(|| {
@@ -111,7 +123,7 @@ pub fn assemble(
                     .clone(),
                 None => empty.clone(),
             },
-            StackRef::Err(_) => empty.clone(),
+            UserRef::Err(_) => empty.clone(),
         };
         let kernel = match raw.kernel {
             StackRef::Id(id) => match drained.stacks.get(&id) {
@@ -162,8 +174,9 @@ pub fn assemble(
             count: raw.count,
             user,
             kernel,
-            user_status: status(raw.user, &drained),
+            user_status: user_status(raw.user, &drained),
             kernel_status: status(raw.kernel, &drained),
+            unwind_end: raw.unwind_end,
         });
     }
     add(&counters.samples_sent, samples.len() as u64);

@@ -27,6 +27,10 @@ pub trait MapSets {
     /// Tells the program that these processes are no longer known, so that it announces
     /// them again if they are sampled again.
     fn forget_announced(&mut self, keys: &[ProcKey]);
+    /// Gives the unwinder the executable mappings of processes just read.
+    fn set_mappings(&mut self, fresh: &[(ProcKey, std::rc::Rc<crate::procfs::ProcessRecord>)]);
+    /// The unwinder forgets the mappings of these processes.
+    fn forget_mappings(&mut self, keys: &[ProcKey]);
 }
 
 /// The run loop ended because a CPU can no longer be sampled.
@@ -63,7 +67,7 @@ pub struct Rounds {
 }
 
 /// The program's counters, the sampler's cell for each, and whether a rise is a loss.
-fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 9] {
+fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 19] {
     type K = firn_counter;
     [
         (K::FIRN_CTR_SAMPLES, &c.bpf_samples, None),
@@ -99,7 +103,22 @@ fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str
             &c.bpf_events_lost,
             Some("bpf_events_lost"),
         ),
+        (K::FIRN_CTR_TABLE_FRAMES, &c.bpf_unwind_table_frames, None),
+        (K::FIRN_CTR_FP_FRAMES, &c.bpf_unwind_fp_frames, None),
+        (end(0), &c.bpf_unwind_end_complete, None),
+        (end(1), &c.bpf_unwind_end_no_process, None),
+        (end(2), &c.bpf_unwind_end_no_mapping, None),
+        (end(3), &c.bpf_unwind_end_no_table, None),
+        (end(4), &c.bpf_unwind_end_not_in_table, None),
+        (end(5), &c.bpf_unwind_end_unsupported, None),
+        (end(6), &c.bpf_unwind_end_read_fault, None),
+        (end(7), &c.bpf_unwind_end_depth, None),
     ]
+}
+
+/// The counter of unwind end `reason` (`enum firn_unwind_end`).
+const fn end(reason: u32) -> firn_counter {
+    firn_counter(firn_counter::FIRN_CTR_END_BASE.0 + reason)
 }
 
 impl Rounds {
@@ -138,6 +157,18 @@ impl Rounds {
                     self.table.ended(e.key, Ending::Exit, in_progress);
                 }
             }
+        }
+    }
+
+    /// Hands what the process table read or forgot to the unwinder's maps.
+    pub fn sync_mappings(&mut self, maps: &mut impl MapSets) {
+        let fresh = self.table.take_fresh();
+        if !fresh.is_empty() {
+            maps.set_mappings(&fresh);
+        }
+        let dropped = self.table.take_dropped();
+        if !dropped.is_empty() {
+            maps.forget_mappings(&dropped);
         }
     }
 
@@ -189,6 +220,7 @@ impl Rounds {
         let data = round::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
         let forgotten = self.table.sweep(self.round, c);
         maps.forget_announced(&self.table.take_unseen());
+        self.sync_mappings(maps);
         self.table.begin_round(self.round, c);
         bump(&c.rounds);
         tracing::debug!(
@@ -243,7 +275,7 @@ impl Rounds {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::drain::{RawSample, StackRef};
+    use crate::drain::{RawSample, StackRef, UserRef};
     use std::collections::{HashMap, VecDeque};
 
     #[derive(Default)]
@@ -254,6 +286,8 @@ mod tests {
         counters: HashMap<u32, u64>,
         cpus: Vec<u32>,
         forgotten: Vec<ProcKey>,
+        mapped: Vec<ProcKey>,
+        unmapped: Vec<ProcKey>,
     }
 
     impl MapSets for FakeMaps {
@@ -275,10 +309,19 @@ mod tests {
         fn forget_announced(&mut self, keys: &[ProcKey]) {
             self.forgotten.extend_from_slice(keys);
         }
+        fn set_mappings(
+            &mut self,
+            fresh: &[(ProcKey, std::rc::Rc<crate::procfs::ProcessRecord>)],
+        ) {
+            self.mapped.extend(fresh.iter().map(|(k, _)| *k));
+        }
+        fn forget_mappings(&mut self, keys: &[ProcKey]) {
+            self.unmapped.extend_from_slice(keys);
+        }
     }
 
     /// A sample of a pid that does not exist: recorded with what BPF saw.
-    fn sample(tgid: u32, user: StackRef, count: u64) -> RawSample {
+    fn sample(tgid: u32, user: UserRef, count: u64) -> RawSample {
         let mut comm = [0u8; firn_sampler_bpf::COMM_LEN];
         comm[..4].copy_from_slice(b"test");
         RawSample {
@@ -289,6 +332,7 @@ mod tests {
             comm,
             user,
             kernel: StackRef::Err(-libc::EFAULT),
+            unwind_end: 0,
             count,
         }
     }
@@ -354,10 +398,11 @@ mod tests {
         stacks.insert(7, vec![0x401000, 0x402000]);
         m.drains.push_back(Ok(Drained {
             samples: vec![
-                sample(u32::MAX - 1, StackRef::Id(7), 3),
-                sample(u32::MAX - 1, StackRef::Id(8), 1),
+                sample(u32::MAX - 1, UserRef::Hash(7), 3),
+                sample(u32::MAX - 1, UserRef::Hash(8), 1),
             ],
-            stacks,
+            user_stacks: stacks,
+            stacks: HashMap::new(),
             stack_lookup_failures: 1,
         }));
         m.counters.insert(firn_counter::FIRN_CTR_SAMPLES.0, 4);
@@ -428,7 +473,7 @@ mod tests {
             (1, 1)
         );
         // Its samples, drained at the round's end, find the record: no second read.
-        let mut s = sample(me, StackRef::Err(-libc::EFAULT), 2);
+        let mut s = sample(me, UserRef::Err(-libc::EFAULT), 2);
         s.start_ns = key.start_ns;
         m.drains.push_back(Ok(Drained {
             samples: vec![s],
@@ -437,6 +482,7 @@ mod tests {
         let round = run(&mut r, &mut m, 1, &[0], &c).unwrap().unwrap();
         assert!(round.data.processes[0].record.complete);
         assert_eq!(c.processes_read.get(), 1);
+        assert_eq!(m.mapped, vec![key], "its mappings went to the unwinder once");
         let id = round.data.processes[0].id;
         // It exits during round 2: kept through round 3, forgotten at round 4's end,
         // without a delete from `seen` (the program forgot it on exit).
@@ -448,6 +494,7 @@ mod tests {
         let round = run(&mut r, &mut m, 4, &[0], &c).unwrap().unwrap();
         assert_eq!(round.forgotten, vec![id]);
         assert!(m.forgotten.is_empty());
+        assert_eq!(m.unmapped, vec![key], "and left it when it was forgotten");
         assert_eq!(c.events_exit.get(), 1);
     }
 }

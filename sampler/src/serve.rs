@@ -64,7 +64,7 @@ pub async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>,
 }
 
 /// Reads the process events waiting in the ring buffer and acts on them.
-fn take_events(sampling: &Sampling, rounds: &mut Rounds, c: &crate::counters::Counters) {
+fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, c: &crate::counters::Counters) {
     let (events, malformed) = sampling.events.take();
     if malformed > 0 {
         crate::counters::add(&c.events_malformed, malformed);
@@ -74,6 +74,7 @@ fn take_events(sampling: &Sampling, rounds: &mut Rounds, c: &crate::counters::Co
         );
     }
     rounds.on_events(&events, c);
+    rounds.sync_mappings(sampling);
 }
 
 /// Runs rounds every `period` until SIGTERM or SIGINT (`Ok`) or a CPU hotplug that a

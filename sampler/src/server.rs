@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use capnp::capability::{DispatchCallResult, FromServer, Params, Promise, Results};
 use capnp::traits::HasTypeId;
 use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
-use firn_schema::firn_capnp::{batch_sink, sampler, subscription, Refusal};
+use firn_schema::firn_capnp::{batch_sink, sampler, subscription, Refusal, TableRefusal};
 use firn_schema::PROTOCOL_VERSION;
 use futures::{AsyncReadExt as _, FutureExt};
 use tokio::io::AsyncReadExt;
@@ -56,7 +56,14 @@ pub struct Shared {
     pub write_stall_limit: Duration,
     /// Handles of recently mapped files, shared with the process table that takes them.
     pub handles: Rc<RefCell<crate::handles::Handles>>,
+    /// The unwinder's maps, written from the tables subscribers send.
+    pub unwind: Rc<RefCell<crate::unwind::Unwind>>,
 }
+
+/// Unwind table chunks per subscription: sustained per second, and burst (a chunk is up
+/// to 32,768 rows, so ~2 M rows a second: a busy node's binaries within seconds).
+const TABLE_CHUNK_RATE: f64 = 64.0;
+const TABLE_CHUNK_BURST: f64 = 256.0;
 
 /// Per-connection control: closing it ends the connection's RPC system.
 struct Conn {
@@ -220,6 +227,7 @@ impl sampler::Server for SamplerImpl {
                 sub,
                 shared: self.shared.clone(),
                 conn: self.conn.clone(),
+                chunks: RefCell::new(TokenBucket::new(TABLE_CHUNK_RATE, TABLE_CHUNK_BURST)),
             };
             r.set_subscription(capnp_rpc::new_client(Guarded {
                 inner: <subscription::Client as FromServer<_>>::from_server(Rc::new(server)),
@@ -238,6 +246,7 @@ struct SubscriptionImpl {
     sub: Rc<Subscriber>,
     shared: Rc<Shared>,
     conn: Rc<Conn>,
+    chunks: RefCell<TokenBucket>,
 }
 
 impl SubscriptionImpl {
@@ -279,7 +288,146 @@ impl SubscriptionImpl {
     }
 }
 
+/// What became of a table chunk.
+enum Chunk {
+    Taken,
+    Refused(TableRefusal),
+    /// Malformed rows: refused and the connection closed.
+    Malformed(crate::unwind::TableError),
+}
+
+impl SubscriptionImpl {
+    fn table_chunk(&self, p: &subscription::load_unwind_table_params::Reader<'_>) -> Chunk {
+        use crate::unwind::{FileKey, TableError};
+        let c = &self.shared.counters;
+        let mut unwind = self.shared.unwind.borrow_mut();
+        if !unwind.enabled() {
+            bump(&c.unwind_tables_refused_other);
+            return Chunk::Refused(TableRefusal::Disabled);
+        }
+        if !self.chunks.borrow_mut().allow() {
+            bump(&c.unwind_tables_refused_other);
+            return Chunk::Refused(TableRefusal::RateLimited);
+        }
+        let Some(record) = self
+            .sub
+            .record(p.get_process_id(), p.get_mappings_version())
+        else {
+            bump(&c.unwind_tables_refused_unknown);
+            return Chunk::Refused(TableRefusal::UnknownProcess);
+        };
+        let Some(mapping) = record.mappings.get(p.get_mapping_index() as usize) else {
+            bump(&c.unwind_tables_refused_unknown);
+            return Chunk::Refused(TableRefusal::UnknownMapping);
+        };
+        let rows = match p.get_rows() {
+            Ok(r) => r,
+            Err(_) => return Chunk::Malformed(TableError::Ragged),
+        };
+        if rows.len() > firn_schema::limits::MAX_TABLE_CHUNK_ROWS as usize * crate::unwind::ROW_BYTES {
+            return Chunk::Malformed(TableError::Ragged);
+        }
+        match unwind.take_chunk(
+            self.sub.id,
+            FileKey::of(mapping),
+            p.get_first_row(),
+            p.get_total_rows(),
+            rows,
+        ) {
+            Ok(done) => {
+                if done {
+                    tracing::info!(
+                        subscriber = self.sub.id,
+                        path = %String::from_utf8_lossy(&mapping.path),
+                        rows = p.get_total_rows(),
+                        "unwind table loaded"
+                    );
+                }
+                Chunk::Taken
+            }
+            Err(e) if e.is_malformed() => Chunk::Malformed(e),
+            Err(e) => {
+                let refusal = match e {
+                    TableError::TooLarge { .. } | TableError::NoRoom { .. } => {
+                        bump(&c.unwind_tables_refused_budget);
+                        if matches!(e, TableError::TooLarge { .. }) {
+                            TableRefusal::TooLarge
+                        } else {
+                            TableRefusal::NoRoom
+                        }
+                    }
+                    TableError::NotOwner => {
+                        bump(&c.unwind_tables_refused_other);
+                        TableRefusal::NotOwner
+                    }
+                    _ => {
+                        bump(&c.unwind_tables_refused_other);
+                        TableRefusal::OutOfOrder
+                    }
+                };
+                tracing::info!(
+                    subscriber = self.sub.id,
+                    path = %String::from_utf8_lossy(&mapping.path),
+                    error = %e,
+                    "unwind table refused"
+                );
+                Chunk::Refused(refusal)
+            }
+        }
+    }
+}
+
 impl subscription::Server for SubscriptionImpl {
+    fn load_unwind_table(
+        self: Rc<Self>,
+        params: subscription::LoadUnwindTableParams,
+        mut results: subscription::LoadUnwindTableResults,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let r = (|| {
+            admit(&self.conn, &self.shared, false)?;
+            let p = params.get().inspect_err(|_| {
+                bump(&self.shared.counters.bad_requests);
+                self.conn.close_soon();
+            })?;
+            if p.get_process_id() > self.sub.max_sent.get() {
+                bump(&self.shared.counters.broker_requests_never_issued);
+                tracing::warn!(
+                    subscriber = self.sub.id,
+                    process_id = p.get_process_id(),
+                    "unwind table for a process never sent to this subscriber; closing"
+                );
+                self.conn.close_soon();
+                return Err(capnp::Error::failed(
+                    "loadUnwindTable for a process this subscription was never sent".into(),
+                ));
+            }
+            match self.table_chunk(&p) {
+                Chunk::Taken => {
+                    results.get().init_result().set_done(());
+                    Ok(())
+                }
+                Chunk::Refused(r) => {
+                    results.get().init_result().set_refused(r);
+                    Ok(())
+                }
+                Chunk::Malformed(e) => {
+                    bump(&self.shared.counters.unwind_tables_refused_malformed);
+                    tracing::warn!(
+                        subscriber = self.sub.id,
+                        error = %e,
+                        "malformed unwind table; closing the connection"
+                    );
+                    self.conn.close_soon();
+                    Err(capnp::Error::failed(format!(
+                        "malformed unwind table: {e}; closing"
+                    )))
+                }
+            }
+        })();
+        std::future::ready(r)
+    }
+
+
     fn open_mapping(
         self: Rc<Self>,
         params: subscription::OpenMappingParams,
@@ -337,6 +485,7 @@ impl subscription::Server for SubscriptionImpl {
 impl Drop for SubscriptionImpl {
     fn drop(&mut self) {
         tracing::info!(subscriber = self.sub.id, "unsubscribed");
+        self.shared.unwind.borrow_mut().drop_owner(self.sub.id);
         self.sub.close();
     }
 }
@@ -344,7 +493,7 @@ impl Drop for SubscriptionImpl {
 /// Methods of each interface in the schema (`@0`..): a call past them is a client
 /// this sampler was not built for, or a probe.
 const SAMPLER_METHODS: u16 = 2;
-const SUBSCRIPTION_METHODS: u16 = 1;
+const SUBSCRIPTION_METHODS: u16 = 2;
 
 /// A generated dispatcher behind a check: a call to an interface or method the sampler
 /// does not have is counted and closes the connection. capnp-rpc alone would answer

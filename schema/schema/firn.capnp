@@ -4,7 +4,7 @@
 # something within one sampler session. No kernel address is ever carried: kernel
 # frames travel as indices into a per-batch table of names.
 
-const protocolVersion :UInt32 = 1;
+const protocolVersion :UInt32 = 2;
 
 interface Sampler {
   info @0 (protocolVersion :UInt32) -> (info :Info);
@@ -39,6 +39,43 @@ interface Subscription {
   # path it read itself, inside the process's root, and checks device and inode. On
   # success the fd is sent on the broker channel in a message tagged with the ticket,
   # before this call returns.
+
+  loadUnwindTable @1 (processId :UInt64, mappingIndex :UInt32, mappingsVersion :UInt32,
+                      firstRow :UInt32, totalRows :UInt32, rows :Data)
+      -> (result :TableResult);
+  # Installs, for the file behind mapping `mappingIndex` of a process record this
+  # subscription received, the table the BPF unwinder walks: `totalRows` rows of 8 bytes
+  # (see unwindRowBytes), sent in order in chunks of at most maxTableChunkRows, this
+  # chunk starting at row `firstRow`. The sampler checks every row (sorted, kinds and
+  # offsets in range) and its budgets, and writes the rows into BPF maps. The table
+  # applies to that file in every process and lasts while this subscription does. A
+  # malformed chunk closes the connection; a chunk for another file than the pending
+  # one abandons the pending table.
+}
+
+const unwindRowBytes :UInt32 = 8;
+# A row, little-endian: pc (UInt32, file offset from which the row holds), cfaOffset
+# (UInt16), kinds (UInt8: CFA kind | rbp kind << 4), rbpOffset8 (Int8, words from the
+# CFA). The kinds are those of sampler-bpf/src/bpf/profile.bpf.h.
+
+const maxTableChunkRows :UInt32 = 32768;
+
+struct TableResult {
+  union {
+    done @0 :Void;        # the chunk was taken; after the last, the table is in use
+    refused @1 :TableRefusal;
+  }
+}
+
+enum TableRefusal {
+  unknownProcess @0;      # forgotten, or never sent to this subscription
+  unknownMapping @1;
+  tooLarge @2;            # over the per-table row limit (--unwind-table-rows)
+  noRoom @3;              # the row pool is full of tables in use (--unwind-rows)
+  notOwner @4;            # another subscription provides the tables
+  rateLimited @5;
+  outOfOrder @6;          # a chunk that does not continue the pending table
+  disabled @7;            # the sampler runs without the unwinder's tables
 }
 
 struct OpenResult {
@@ -127,6 +164,18 @@ enum StackStatus {
   error @3;                      # the kernel could not read it; counted in the counters
 }
 
+enum UnwindEnd {
+  # Why a user stack ended (see profile.bpf.h, enum firn_unwind_end).
+  complete @0;            # a table row said this is the outermost frame
+  noProcess @1;           # the process's mappings were not known yet: frame pointers
+  noMapping @2;           # pc in no file mapping (JIT, anonymous code, vDSO)
+  noTable @3;             # the file had no table: frame pointers from there
+  notInTable @4;          # the table has no row for the pc: frame pointers from there
+  unsupported @5;         # a rule the unwinder cannot follow
+  readFault @6;           # user memory could not be read
+  depthLimit @7;          # 127 frames
+}
+
 struct Sample {
   processId @0 :UInt64;          # 0 when no process record exists (see `complete`)
   pid @1 :UInt32;
@@ -137,4 +186,5 @@ struct Sample {
   kernelFrames @6 :List(UInt32); # indices into Batch.kernelSymbols, innermost first
   userStack @7 :StackStatus;
   kernelStack @8 :StackStatus;
+  userStackEnd @9 :UnwindEnd;
 }

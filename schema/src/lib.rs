@@ -43,6 +43,88 @@ pub mod limits {
     pub const MAX_PATH_BYTES: u32 = 4_096;
     /// Counters in a batch or info reply.
     pub const MAX_COUNTERS: u32 = 256;
+    /// Rows in one loadUnwindTable chunk (256 KiB: well within the sampler's reader).
+    pub const MAX_TABLE_CHUNK_ROWS: u32 = crate::firn_capnp::MAX_TABLE_CHUNK_ROWS;
+}
+
+/// The unwind row of `loadUnwindTable` (8 bytes, little-endian): the enricher builds
+/// rows, the sampler checks them and writes them for the BPF unwinder, whose header
+/// (`profile.bpf.h`) has the same kinds (the sampler asserts they agree).
+pub mod unwind_row {
+    /// No row covers the pc (past the end of a function).
+    pub const CFA_NONE: u8 = 0;
+    /// CFA = rsp + cfa_offset.
+    pub const CFA_RSP: u8 = 1;
+    /// CFA = rbp + cfa_offset.
+    pub const CFA_RBP: u8 = 2;
+    /// PLT entry: CFA = rsp + 8, + 8 when (pc & 15) >= cfa_offset.
+    pub const CFA_PLT: u8 = 3;
+    /// Signal trampoline: registers come from the ucontext at rsp.
+    pub const CFA_SIGNAL: u8 = 4;
+    /// A rule the unwinder cannot follow.
+    pub const CFA_UNSUPPORTED: u8 = 5;
+    /// Return address undefined: the outermost frame.
+    pub const CFA_STOP: u8 = 6;
+    pub const CFA_KINDS: u8 = 7;
+    /// The caller's rbp is this frame's.
+    pub const RBP_SAME: u8 = 0;
+    /// Saved at CFA + 8 * rbp_offset8.
+    pub const RBP_AT_CFA: u8 = 1;
+    /// Not recoverable.
+    pub const RBP_UNKNOWN: u8 = 2;
+    pub const RBP_KINDS: u8 = 3;
+
+    /// One row.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Row {
+        pub pc: u32,
+        pub cfa_offset: u16,
+        pub cfa: u8,
+        pub rbp: u8,
+        pub rbp_offset8: i8,
+    }
+
+    impl Row {
+        pub fn to_bytes(self) -> [u8; 8] {
+            let mut b = [0u8; 8];
+            b[..4].copy_from_slice(&self.pc.to_le_bytes());
+            b[4..6].copy_from_slice(&self.cfa_offset.to_le_bytes());
+            b[6] = self.cfa | self.rbp << 4;
+            b[7] = self.rbp_offset8 as u8;
+            b
+        }
+
+        pub fn from_bytes(b: [u8; 8]) -> Self {
+            Self {
+                pc: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                cfa_offset: u16::from_le_bytes([b[4], b[5]]),
+                cfa: b[6] & 0xf,
+                rbp: b[6] >> 4,
+                rbp_offset8: b[7] as i8,
+            }
+        }
+
+        /// The sampler's range rules for one row (what it refuses as malformed).
+        pub fn valid(&self) -> bool {
+            if self.cfa >= CFA_KINDS || self.rbp >= RBP_KINDS {
+                return false;
+            }
+            let cfa_ok = match self.cfa {
+                // The return address is at CFA - 8, above the stack pointer.
+                CFA_RSP | CFA_RBP => self.cfa_offset >= 8,
+                // A threshold on the pc's low four bits.
+                CFA_PLT => self.cfa_offset <= 16,
+                _ => self.cfa_offset == 0,
+            };
+            // A saved rbp lies below the CFA; other kinds carry no offset.
+            let rbp_ok = if self.rbp == RBP_AT_CFA {
+                self.rbp_offset8 < 0
+            } else {
+                self.rbp_offset8 == 0
+            };
+            cfa_ok && rbp_ok
+        }
+    }
 }
 
 /// Reader limits for what the enricher receives (batches can be tens of MiB).

@@ -17,6 +17,14 @@
  * seen only once its event is written, so a full ring buffer is retried by the next
  * sample. Exec and exit of a seen process send EXEC and EXIT events. A sample is never
  * held back for discovery: it is counted whether or not the process is known.
+ *
+ * User stacks are unwound here, not by bpf_get_stackid, so that code built without
+ * frame pointers gets whole stacks. Per frame: the process's executable mappings
+ * (`procmaps`, written by the sampler from /proc/PID/maps) give the file and offset of
+ * the pc; the file's table (`tables` → a run of `rows`, built by the enricher from the
+ * file's CFI and checked by the sampler) gives the rule for the caller's stack pointer,
+ * return address and rbp. Where there is no row the frame is walked by frame pointers.
+ * The stack is stored by a hash of its frames in ustacks_N (one per map set).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -42,8 +50,20 @@ struct count_map {
 	__type(value, __u64);
 };
 
+/* User stacks by hash of their frames. Not preallocated: a set holds only this round's
+ * distinct stacks, and the sampler empties it each round. */
+struct ustack_map {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, STACK_ENTRIES);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u64);
+	__type(value, struct firn_user_stack);
+};
+
 struct stack_map stacks_0 SEC(".maps");
 struct stack_map stacks_1 SEC(".maps");
+struct ustack_map ustacks_0 SEC(".maps");
+struct ustack_map ustacks_1 SEC(".maps");
 struct count_map counts_0 SEC(".maps");
 struct count_map counts_1 SEC(".maps");
 
@@ -69,6 +89,33 @@ struct {
 	__type(value, __u64);
 } counters SEC(".maps");
 
+/* Unwind rows of every table, one run per file. The sampler sizes it before loading
+ * (--unwind-rows) and hands out runs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_unwind_row);
+} rows SEC(".maps");
+
+/* File → its run in `rows`. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct firn_file_key);
+	__type(value, struct firn_table);
+} tables SEC(".maps");
+
+/* tgid → executable mappings of the process. Not preallocated (4 KiB a process). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct firn_proc_maps);
+} procmaps SEC(".maps");
+
+
 /* Written by the sampler through the mmapped .bss; read once per sample. */
 volatile __u32 active_set = 0;
 
@@ -79,6 +126,12 @@ enum firn_counter unused_counter = FIRN_CTR_SAMPLES;
 struct firn_event unused_event = {};
 struct firn_proc_id unused_proc_id = {};
 enum firn_event_kind unused_event_kind = FIRN_EV_NEW;
+enum firn_unwind_end unused_unwind_end = FIRN_END_COMPLETE;
+enum firn_cfa_kind unused_cfa_kind = FIRN_CFA_NONE;
+enum firn_rbp_kind unused_rbp_kind = FIRN_RBP_SAME;
+struct firn_unwind_row unused_row = {};
+struct firn_table unused_table = {};
+struct firn_proc_maps unused_proc_maps = {};
 
 static __always_inline void bump(__u32 idx)
 {
@@ -159,6 +212,274 @@ static __always_inline int user_mode(struct bpf_perf_event_data *ctx)
 	return (cs & 3) != 0;
 }
 
+
+/* First address above user space (x86_64, 4-level paging; 5-level is larger still, and
+ * an address above 47 bits is then only cut short, never wrong). */
+#define USER_SPACE_END (1ULL << 47)
+
+/* The walk of one stack, per CPU. Kept in a map value, not on the BPF stack: the
+ * verifier then sees every field as unknown, and checks the bpf_loop callback once
+ * instead of once per frame count. */
+struct firn_unwind_state {
+	struct firn_user_stack stack;
+	__u64 pc;
+	__u64 sp;
+	__u64 bp;
+	__u64 hash;
+	__u64 start_ns;
+	__u32 tgid;
+	__u32 exec_id;
+	__u32 len;
+	__u32 end;
+	__u8 bp_known;
+	__u8 exact_pc;             /* pc is where execution stopped, not a return address */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_unwind_state);
+} scratch SEC(".maps");
+
+static __always_inline __u64 mix(__u64 h, __u64 v)
+{
+	h ^= v;
+	h *= 0x100000001b3ULL;
+	return h ^ (h >> 29);
+}
+
+/* The row for `pc` of the current process, or why there is none (a firn_unwind_end). */
+static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
+{
+	struct firn_proc_maps *pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
+	struct firn_file_key file;
+	struct firn_table *t;
+	struct firn_unwind_row *r;
+	__u32 lo = 0, hi, mid, idx, first, count, j;
+	__u64 off;
+
+	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
+		return FIRN_END_NO_PROCESS;
+	hi = pm->count;
+	if (hi > FIRN_MAX_MAPPINGS)
+		hi = FIRN_MAX_MAPPINGS;
+	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. */
+	for (j = 0; j < 7 && lo < hi; j++) {
+		mid = (lo + hi) / 2;
+		if (mid >= FIRN_MAX_MAPPINGS)
+			return FIRN_END_NO_MAPPING;
+		if (pm->m[mid].start <= pc)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == 0)
+		return FIRN_END_NO_MAPPING;
+	idx = lo - 1;
+	if (idx >= FIRN_MAX_MAPPINGS || pc >= pm->m[idx].end)
+		return FIRN_END_NO_MAPPING;
+	off = pc - pm->m[idx].start + pm->m[idx].offset;
+	file = pm->m[idx].file;
+	t = bpf_map_lookup_elem(&tables, &file);
+	if (!t)
+		return FIRN_END_NO_TABLE;
+	if (off > 0xffffffffULL)
+		return FIRN_END_NOT_IN_TABLE;
+	first = t->first;
+	count = t->count;
+	/* Last row at or below off; the sampler keeps count < 2^24. */
+	lo = 0;
+	hi = count;
+	for (j = 0; j < 24 && lo < hi; j++) {
+		mid = lo + (hi - lo) / 2;
+		idx = first + mid;
+		r = bpf_map_lookup_elem(&rows, &idx);
+		if (!r)
+			return FIRN_END_NOT_IN_TABLE;
+		if (r->pc <= (__u32)off)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == 0)
+		return FIRN_END_NOT_IN_TABLE;
+	idx = first + lo - 1;
+	r = bpf_map_lookup_elem(&rows, &idx);
+	if (!r || (r->kinds & 0xf) == FIRN_CFA_NONE)
+		return FIRN_END_NOT_IN_TABLE;
+	*out = *r;
+	return 0;
+}
+
+static __always_inline int read_user(__u64 *dst, __u64 addr)
+{
+	return bpf_probe_read_user(dst, sizeof(*dst), (const void *)addr);
+}
+
+/* One frame: record st->pc, then find the caller's registers. 1 stops the loop. */
+static long unwind_step(__u32 i, void *data)
+{
+	struct firn_unwind_state *st;
+	struct firn_unwind_row row = {};
+	__u32 zero = 0, len, why;
+	__u64 cfa, ra, bp, sp, pc;
+	__u8 cfa_kind, rbp_kind;
+
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st)
+		return 1;
+	len = st->len;
+	pc = st->pc;
+	if (len >= FIRN_MAX_STACK_DEPTH) {
+		st->end = FIRN_END_DEPTH;
+		return 1;
+	}
+	st->stack.frames[len] = pc;
+	st->len = len + 1;
+	st->hash = mix(st->hash, pc);
+	if (st->len >= FIRN_MAX_STACK_DEPTH) {
+		st->end = FIRN_END_DEPTH;
+		return 1;
+	}
+
+	/* A return address points after the call: look up the call itself. */
+	why = find_row(st, st->exact_pc ? pc : pc - 1, &row);
+	st->exact_pc = 0;
+	if (why != 0) {
+		/* Frame pointers: [rbp] is the caller's rbp, [rbp + 8] the return address. */
+		bump(FIRN_CTR_FP_FRAMES);
+		st->end = why;
+		if (!st->bp_known || st->bp == 0 || st->bp < st->sp)
+			return 1;
+		if (read_user(&bp, st->bp) || read_user(&ra, st->bp + 8))
+			return 1;
+		st->sp = st->bp + 16;
+		st->bp = bp;
+		st->pc = ra;
+		return ra < 4096 || ra >= USER_SPACE_END;
+	}
+
+	bump(FIRN_CTR_TABLE_FRAMES);
+	cfa_kind = row.kinds & 0xf;
+	rbp_kind = row.kinds >> 4;
+	sp = st->sp;
+	switch (cfa_kind) {
+	case FIRN_CFA_RSP:
+		cfa = sp + row.cfa_offset;
+		break;
+	case FIRN_CFA_RBP:
+		if (!st->bp_known) {
+			st->end = FIRN_END_UNSUPPORTED;
+			return 1;
+		}
+		cfa = st->bp + row.cfa_offset;
+		break;
+	case FIRN_CFA_PLT:
+		cfa = sp + 8 + ((pc & 15) >= row.cfa_offset ? 8 : 0);
+		break;
+	case FIRN_CFA_SIGNAL:
+		/* rt_sigframe: the ucontext is at rsp, its sigcontext 40 bytes in; rbp, rsp
+		 * and rip are its 11th, 16th and 17th words. */
+		if (read_user(&bp, sp + 40 + 80) || read_user(&cfa, sp + 40 + 120) ||
+		    read_user(&ra, sp + 40 + 128)) {
+			st->end = FIRN_END_READ_FAULT;
+			return 1;
+		}
+		st->bp = bp;
+		st->bp_known = 1;
+		st->sp = cfa;
+		st->pc = ra;
+		st->exact_pc = 1;
+		st->end = FIRN_END_COMPLETE;
+		return ra < 4096 || ra >= USER_SPACE_END;
+	case FIRN_CFA_STOP:
+		st->end = FIRN_END_COMPLETE;
+		return 1;
+	default:
+		st->end = FIRN_END_UNSUPPORTED;
+		return 1;
+	}
+	if (read_user(&ra, cfa - 8)) {
+		st->end = FIRN_END_READ_FAULT;
+		return 1;
+	}
+	if (rbp_kind == FIRN_RBP_AT_CFA) {
+		if (read_user(&bp, cfa + (__s64)row.rbp_offset8 * 8)) {
+			st->end = FIRN_END_READ_FAULT;
+			return 1;
+		}
+		st->bp = bp;
+		st->bp_known = 1;
+	} else if (rbp_kind != FIRN_RBP_SAME) {
+		st->bp_known = 0;
+	}
+	st->sp = cfa;
+	st->pc = ra;
+	st->end = FIRN_END_COMPLETE;
+	return ra < 4096 || ra >= USER_SPACE_END;
+}
+
+/* Unwinds the user stack of the sampled task into ustacks (`set`), fills the key's
+ * user_stack, user_status and unwind_end. */
+static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct task_struct *task,
+				       void *ustacks, struct firn_sample_key *key)
+{
+	struct firn_unwind_state *st;
+	struct pt_regs *regs;
+	__u32 zero = 0, len;
+
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st || !BPF_CORE_READ(task, mm)) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	if (user_mode(ctx)) {
+		st->pc = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, ip));
+		st->sp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, sp));
+		st->bp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, bp));
+	} else {
+		/* In the kernel: the user registers saved at entry. */
+		regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+		st->pc = BPF_CORE_READ(regs, ip);
+		st->sp = BPF_CORE_READ(regs, sp);
+		st->bp = BPF_CORE_READ(regs, bp);
+	}
+	if (st->pc == 0 || st->pc >= USER_SPACE_END) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	st->tgid = key->tgid;
+	st->start_ns = key->start_ns;
+	st->exec_id = key->exec_id;
+	st->len = 0;
+	st->end = FIRN_END_COMPLETE;
+	st->bp_known = 1;
+	st->exact_pc = 1;
+	st->hash = 0xcbf29ce484222325ULL;
+	bpf_loop(FIRN_MAX_STACK_DEPTH, unwind_step, NULL, 0);
+
+	len = st->len;
+	if (len == 0) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	if (len < FIRN_MAX_STACK_DEPTH)
+		st->stack.frames[len] = 0;
+	key->unwind_end = st->end < FIRN_END_MAX ? st->end : FIRN_END_UNSUPPORTED;
+	bump(FIRN_CTR_END_BASE + key->unwind_end);
+	key->user_stack = st->hash ? st->hash : 1;
+	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
+		return;
+	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
+	if (bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
+	    !bpf_map_lookup_elem(ustacks, &key->user_stack)) {
+		bump(FIRN_CTR_USER_STACK_FULL);
+		key->user_stack = 0;
+		key->user_status = -FIRN_ENOMEM;
+	}
+}
+
 SEC("perf_event")
 int firn_sample(struct bpf_perf_event_data *ctx)
 {
@@ -171,7 +492,7 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	__u64 one = 1, *count;
 	__u8 yes = 1;
 	__u32 set = active_set;
-	void *stacks, *counts;
+	void *stacks, *counts, *ustacks;
 
 	if (tid == 0) {
 		bump(FIRN_CTR_IDLE);
@@ -182,9 +503,11 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	if (set == 0) {
 		stacks = &stacks_0;
 		counts = &counts_0;
+		ustacks = &ustacks_0;
 	} else {
 		stacks = &stacks_1;
 		counts = &counts_1;
+		ustacks = &ustacks_1;
 	}
 
 	task = (struct task_struct *)bpf_get_current_task();
@@ -201,8 +524,7 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	if (!bpf_map_lookup_elem(&seen, &pid) && emit(FIRN_EV_NEW, &pid) == 0)
 		bpf_map_update_elem(&seen, &pid, &yes, BPF_ANY);
 
-	key.user_stack_id = stack_id(ctx, stacks, BPF_F_USER_STACK,
-				     FIRN_CTR_USER_STACK_FULL, FIRN_CTR_USER_STACK_ERR);
+	user_stack(ctx, task, ustacks, &key);
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
 	 * callchain setup (~2 us on the test VM), so answer as the helper would. */
 	if (user_mode(ctx))

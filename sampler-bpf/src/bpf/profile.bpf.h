@@ -22,8 +22,27 @@ enum firn_counter {
 	FIRN_CTR_COUNTS_FULL = 6,      /* sample lost: counts map full */
 	FIRN_CTR_EVENTS = 7,           /* process events written to the ring buffer */
 	FIRN_CTR_EVENTS_LOST = 8,      /* process events lost: ring buffer full (retried) */
-	FIRN_CTR_MAX = 9,
+	FIRN_CTR_TABLE_FRAMES = 9,     /* user frames unwound with a table row */
+	FIRN_CTR_FP_FRAMES = 10,       /* user frames unwound by frame pointers (no row) */
+	/* Why each user stack ended: FIRN_CTR_END_BASE + enum firn_unwind_end. */
+	FIRN_CTR_END_BASE = 11,
+	FIRN_CTR_MAX = 19,
 };
+
+/* Why the unwinder stopped. The last frame was walked with a table row, or (the
+ * *_NO_* reasons) by frame pointers because there was no row, for that reason. */
+enum firn_unwind_end {
+	FIRN_END_COMPLETE = 0,     /* a row said the return address is undefined (outermost) */
+	FIRN_END_NO_PROCESS = 1,   /* the process's mappings are not in the map yet */
+	FIRN_END_NO_MAPPING = 2,   /* pc in no file mapping: JIT, anonymous code, vDSO */
+	FIRN_END_NO_TABLE = 3,     /* the file has no table (not built, refused, evicted) */
+	FIRN_END_NOT_IN_TABLE = 4, /* the table has no row for the pc */
+	FIRN_END_UNSUPPORTED = 5,  /* the row's CFA rule is one the unwinder cannot follow */
+	FIRN_END_READ_FAULT = 6,   /* user memory could not be read */
+	FIRN_END_DEPTH = 7,        /* FIRN_MAX_STACK_DEPTH frames */
+	FIRN_END_MAX = 8,
+};
+_Static_assert(FIRN_CTR_END_BASE + FIRN_END_MAX == FIRN_CTR_MAX, "one counter per end");
 
 /* What a process event tells the sampler. */
 enum firn_event_kind {
@@ -36,17 +55,86 @@ struct firn_sample_key {
 	__u32 tgid;
 	__u32 tid;
 	__u64 start_ns;                  /* group leader's start_boottime: tells pid reuse */
-	__s32 user_stack_id;             /* >= 0, or -errno */
+	__u64 user_stack;                /* key in ustacks_N (hash of the frames); 0: none */
+	__s32 user_status;               /* 0, or -errno: EFAULT none, ENOMEM map full */
 	__s32 kern_stack_id;             /* >= 0, or -errno */
 	__u32 exec_id;                   /* leader's exec count (low bits): tells an exec */
-	__u32 reserved;
+	__u32 unwind_end;                /* enum firn_unwind_end */
 	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
 };
 
 /* The sampler reads this layout through the skeleton's generated `firn_sample_key`
  * (from the program's BTF): one definition, here. The size is part of the contract with
  * the batched map drain, so a change must be deliberate. */
-_Static_assert(sizeof(struct firn_sample_key) == 48, "firn_sample_key is 48 bytes");
+_Static_assert(sizeof(struct firn_sample_key) == 56, "firn_sample_key is 56 bytes");
+
+/* A user stack as the unwinder stores it: return addresses, innermost first, ended by 0
+ * when shorter than FIRN_MAX_STACK_DEPTH. */
+struct firn_user_stack {
+	__u64 frames[FIRN_MAX_STACK_DEPTH];
+};
+
+/* ---- Unwind tables (built by the enricher, checked and written by the sampler) ---- */
+
+/* How a row finds the canonical frame address (CFA: the caller's stack pointer). */
+enum firn_cfa_kind {
+	FIRN_CFA_NONE = 0,        /* no row covers this pc (end of a function's code) */
+	FIRN_CFA_RSP = 1,         /* CFA = rsp + cfa_offset */
+	FIRN_CFA_RBP = 2,         /* CFA = rbp + cfa_offset */
+	FIRN_CFA_PLT = 3,         /* CFA = rsp + 8, + 8 when (pc & 15) >= cfa_offset */
+	FIRN_CFA_SIGNAL = 4,      /* signal trampoline: registers from the ucontext at rsp */
+	FIRN_CFA_UNSUPPORTED = 5, /* a rule the unwinder cannot follow: stop here */
+	FIRN_CFA_STOP = 6,        /* return address undefined: the outermost frame */
+	FIRN_CFA_KINDS = 7,
+};
+
+/* Where the caller's rbp is. */
+enum firn_rbp_kind {
+	FIRN_RBP_SAME = 0,        /* unchanged */
+	FIRN_RBP_AT_CFA = 1,      /* saved at CFA + 8 * rbp_offset8 */
+	FIRN_RBP_UNKNOWN = 2,     /* cannot be recovered: later rbp rules fail */
+	FIRN_RBP_KINDS = 3,
+};
+
+/* One row: from file offset `pc` on (until the next row), this rule holds. A table is
+ * a run of rows sorted by pc, strictly increasing. */
+struct firn_unwind_row {
+	__u32 pc;                 /* offset in the file (the enricher maps vaddr → offset) */
+	__u16 cfa_offset;
+	__u8 kinds;               /* enum firn_cfa_kind | enum firn_rbp_kind << 4 */
+	__s8 rbp_offset8;         /* FIRN_RBP_AT_CFA: offset from the CFA, in 8-byte words */
+};
+_Static_assert(sizeof(struct firn_unwind_row) == 8, "firn_unwind_row is 8 bytes");
+
+/* A mapped file as the sampler read it from /proc/PID/maps. */
+struct firn_file_key {
+	__u64 inode;
+	__u32 dev;                /* major << 20 | minor */
+	__u32 reserved;
+};
+
+/* Where a file's rows are in the `rows` array. */
+struct firn_table {
+	__u32 first;
+	__u32 count;
+};
+
+#define FIRN_MAX_MAPPINGS 64
+
+struct firn_mapping {
+	__u64 start;
+	__u64 end;
+	__u64 offset;             /* file offset of `start` */
+	struct firn_file_key file;
+};
+
+/* The executable file mappings of one process, sorted by start. */
+struct firn_proc_maps {
+	__u64 start_ns;           /* of the process they belong to: pid reuse and exec */
+	__u32 exec_id;
+	__u32 count;
+	struct firn_mapping m[FIRN_MAX_MAPPINGS];
+};
 
 /* One process as the program tells them apart: pid reuse changes start_ns, exec
  * changes exec_id. Key of the `seen` LRU map. */

@@ -1,0 +1,429 @@
+//! Unwind rows from a binary's call frame information (x86_64 ELF).
+//!
+//! Parsed with gimli: `.eh_frame` (found by section or, without section headers,
+//! through `PT_GNU_EH_FRAME`), else `.debug_frame` (compressed or not, which is what Go
+//! binaries carry). Each FDE row becomes one 8-byte row keyed by file offset, so the
+//! sampler and the BPF program need nothing but /proc/PID/maps to find it. A marker row
+//! ends each FDE, rows equal to their predecessor are dropped.
+
+use gimli::{
+    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EhFrameHdr, EndianSlice, LittleEndian,
+    Register, RegisterRule, UnwindContext, UnwindSection,
+};
+use object::elf;
+use object::read::elf::{ElfFile64, FileHeader, ProgramHeader};
+use object::{Object, ObjectSection};
+
+use firn_schema::unwind_row::{self as k, Row};
+
+type R<'a> = EndianSlice<'a, LittleEndian>;
+
+/// x86_64 DWARF registers.
+const RBP: Register = Register(6);
+const RSP: Register = Register(7);
+const RA: Register = Register(16);
+
+/// The PLT's CFA expression (binutils): rsp + 8 + ((rip & 15) >= N) << 3, N = 10 or 11.
+const PLT_EXPR_HEAD: [u8; 7] = [0x77, 0x08, 0x80, 0x00, 0x3f, 0x1a, 0x00];
+const PLT_EXPR_TAIL: [u8; 4] = [0x2a, 0x33, 0x24, 0x22];
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("not a 64-bit little-endian ELF file: {0}")]
+    Elf(#[from] object::Error),
+    #[error("not an x86_64 binary (e_machine {0})")]
+    Arch(u16),
+    #[error("no .eh_frame and no .debug_frame")]
+    NoCfi,
+    #[error("the call frame information is malformed: {0}")]
+    Cfi(#[from] gimli::Error),
+    #[error("a compressed .debug_frame could not be inflated")]
+    Inflate,
+    #[error("no executable segment")]
+    NoText,
+}
+
+/// Where the rows came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    EhFrame,
+    DebugFrame,
+}
+
+/// A built table and what went into it.
+#[derive(Debug)]
+pub struct Table {
+    pub rows: Vec<Row>,
+    pub source: Source,
+    pub fdes: usize,
+    /// Rows whose CFA rule the unwinder cannot follow (kept, so it stops cleanly there).
+    pub unsupported: usize,
+    /// FDE rows outside every executable segment (dropped).
+    pub outside: usize,
+}
+
+impl Table {
+    pub fn bytes(&self) -> Vec<u8> {
+        self.rows.iter().flat_map(|r| r.to_bytes()).collect()
+    }
+}
+
+/// An executable PT_LOAD: vaddr range and the file offset of its start.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    vaddr: u64,
+    filesz: u64,
+    offset: u64,
+}
+
+fn file_offset(segments: &[Segment], vaddr: u64) -> Option<u32> {
+    let s = segments
+        .iter()
+        .find(|s| vaddr >= s.vaddr && vaddr - s.vaddr < s.filesz)?;
+    u32::try_from(vaddr - s.vaddr + s.offset).ok()
+}
+
+/// Builds the table of an ELF file's bytes. Never panics on malformed input.
+pub fn build(data: &[u8]) -> Result<Table, BuildError> {
+    let file = ElfFile64::<object::Endianness>::parse(data)?;
+    let header = file.elf_header();
+    let endian = file.endian();
+    let machine = header.e_machine(endian);
+    if machine != elf::EM_X86_64 {
+        return Err(BuildError::Arch(machine.0));
+    }
+    let mut segments = Vec::new();
+    let mut eh_frame_hdr: Option<(u64, &[u8])> = None;
+    for ph in header.program_headers(endian, data)? {
+        let (ty, flags) = (ph.p_type(endian), ph.p_flags(endian));
+        if ty == elf::PT_LOAD && (flags & elf::PF_X).0 != 0 {
+            segments.push(Segment {
+                vaddr: ph.p_vaddr(endian),
+                filesz: ph.p_filesz(endian),
+                offset: ph.p_offset(endian),
+            });
+        }
+        if ty == elf::PT_GNU_EH_FRAME {
+            if let Ok(bytes) = ph.data(endian, data) {
+                eh_frame_hdr = Some((ph.p_vaddr(endian), bytes));
+            }
+        }
+    }
+    if segments.is_empty() {
+        return Err(BuildError::NoText);
+    }
+    let text = file.section_by_name(".text").map(|s| s.address());
+    let mut bases = BaseAddresses::default();
+    if let Some(t) = text {
+        bases = bases.set_text(t);
+    }
+    if let Some(got) = file.section_by_name(".got").map(|s| s.address()) {
+        bases = bases.set_got(got);
+    }
+
+    if let Some(s) = file.section_by_name(".eh_frame") {
+        if let Ok(bytes) = s.data() {
+            if !bytes.is_empty() {
+                let bases = bases.clone().set_eh_frame(s.address());
+                let section = EhFrame::new(bytes, LittleEndian);
+                return rows_of(&section, &bases, &segments, Source::EhFrame);
+            }
+        }
+    }
+    // No section headers (or no .eh_frame section): .eh_frame_hdr names .eh_frame.
+    if let Some((hdr_addr, hdr)) = eh_frame_hdr {
+        let hdr_bases = bases.clone().set_eh_frame_hdr(hdr_addr);
+        let parsed = EhFrameHdr::new(hdr, LittleEndian).parse(&hdr_bases, 8)?;
+        if let gimli::Pointer::Direct(addr) = parsed.eh_frame_ptr() {
+            if let Some(bytes) = segment_bytes(&file, data, addr) {
+                let bases = hdr_bases.set_eh_frame(addr);
+                let section = EhFrame::new(bytes, LittleEndian);
+                return rows_of(&section, &bases, &segments, Source::EhFrame);
+            }
+        }
+    }
+    if let Some(s) = file.section_by_name(".debug_frame") {
+        let bytes = section_bytes(&s)?;
+        let mut section = DebugFrame::new(&bytes, LittleEndian);
+        section.set_address_size(8);
+        return rows_of(&section, &bases, &segments, Source::DebugFrame);
+    }
+    Err(BuildError::NoCfi)
+}
+
+/// The bytes from `addr` to the end of the loaded segment holding it.
+fn segment_bytes<'d>(
+    file: &ElfFile64<'d, object::Endianness>,
+    data: &'d [u8],
+    addr: u64,
+) -> Option<&'d [u8]> {
+    let endian = file.endian();
+    let ph = file
+        .elf_program_headers()
+        .iter()
+        .find(|ph| {
+            ph.p_type(endian) == elf::PT_LOAD
+                && addr >= ph.p_vaddr(endian)
+                && addr - ph.p_vaddr(endian) < ph.p_filesz(endian)
+        })?;
+    let start = usize::try_from(addr - ph.p_vaddr(endian) + ph.p_offset(endian)).ok()?;
+    let end = usize::try_from(ph.p_offset(endian).checked_add(ph.p_filesz(endian))?).ok()?;
+    data.get(start..end)
+}
+
+/// A section's bytes, inflated if compressed (SHF_COMPRESSED with zlib).
+fn section_bytes(s: &object::read::elf::ElfSection64<'_, '_, object::Endianness>) -> Result<Vec<u8>, BuildError> {
+    let c = s.compressed_data()?;
+    match c.format {
+        object::CompressionFormat::None => Ok(c.data.to_vec()),
+        object::CompressionFormat::Zlib => {
+            use std::io::Read;
+            // Bounded by what the header declares, and by 256 MiB whatever it declares.
+            let max = c.uncompressed_size.min(256 << 20);
+            let mut out = Vec::new();
+            flate2::read::ZlibDecoder::new(c.data)
+                .take(max)
+                .read_to_end(&mut out)
+                .map_err(|_| BuildError::Inflate)?;
+            Ok(out)
+        }
+        _ => Err(BuildError::Inflate),
+    }
+}
+
+fn is_plt(expr: &[u8]) -> Option<u16> {
+    if expr.len() != PLT_EXPR_HEAD.len() + PLT_EXPR_TAIL.len() {
+        return None;
+    }
+    let (head, tail) = expr.split_at(PLT_EXPR_HEAD.len());
+    if head[..6] != PLT_EXPR_HEAD[..6] || tail != PLT_EXPR_TAIL {
+        return None;
+    }
+    // DW_OP_lit10 or DW_OP_lit11.
+    match head[6] {
+        0x3a => Some(10),
+        0x3b => Some(11),
+        _ => None,
+    }
+}
+
+fn unsupported() -> (u8, u16) {
+    (k::CFA_UNSUPPORTED, 0)
+}
+
+fn rows_of<'a, S: UnwindSection<R<'a>>>(
+    section: &S,
+    bases: &BaseAddresses,
+    segments: &[Segment],
+    source: Source,
+) -> Result<Table, BuildError>
+where
+    S::Offset: gimli::UnwindOffset,
+{
+    let mut ctx = Box::new(UnwindContext::new());
+    let mut raw: Vec<Row> = Vec::new();
+    let (mut fdes, mut unsupported_rows, mut outside) = (0, 0, 0);
+    let mut entries = section.entries(bases);
+    while let Some(entry) = entries.next()? {
+        let CieOrFde::Fde(partial) = entry else {
+            continue;
+        };
+        let Ok(fde) = partial.parse(S::cie_from_offset) else {
+            // One bad FDE costs its function, not the binary.
+            continue;
+        };
+        fdes += 1;
+        let signal = fde.cie().is_signal_trampoline();
+        let mut table = match fde.rows(section, bases, &mut ctx) {
+            Ok(t) => t,
+            Err(_) => continue,
+        };
+        while let Ok(Some(row)) = table.next_row() {
+            let Some(pc) = file_offset(segments, row.start_address()) else {
+                outside += 1;
+                continue;
+            };
+            let (cfa, cfa_offset) = if signal {
+                (k::CFA_SIGNAL, 0)
+            } else {
+                match row.cfa() {
+                    CfaRule::RegisterAndOffset { register, offset } => {
+                        let kind = match *register {
+                            RSP => k::CFA_RSP,
+                            RBP => k::CFA_RBP,
+                            _ => k::CFA_UNSUPPORTED,
+                        };
+                        match u16::try_from(*offset) {
+                            Ok(o) if o >= 8 && kind != k::CFA_UNSUPPORTED => (kind, o),
+                            _ => unsupported(),
+                        }
+                    }
+                    CfaRule::Expression(e) => e
+                        .get(section)
+                        .ok()
+                        .and_then(|e| is_plt(e.0.slice()))
+                        .map_or_else(unsupported, |n| (k::CFA_PLT, n)),
+                }
+            };
+            let ra = row.register(RA);
+            let (cfa, cfa_offset) = match ra {
+                Some(RegisterRule::Undefined) if !signal => (k::CFA_STOP, 0),
+                None | Some(RegisterRule::Offset(-8)) => (cfa, cfa_offset),
+                Some(_) if signal => (cfa, cfa_offset),
+                Some(_) => unsupported(),
+            };
+            let (rbp, rbp_offset8) = match row.register(RBP) {
+                None | Some(RegisterRule::SameValue) | Some(RegisterRule::Undefined) => {
+                    (k::RBP_SAME, 0)
+                }
+                Some(RegisterRule::Offset(o)) if o % 8 == 0 && (-1024..0).contains(&o) => {
+                    (k::RBP_AT_CFA, (o / 8) as i8)
+                }
+                Some(_) => (k::RBP_UNKNOWN, 0),
+            };
+            let (rbp, rbp_offset8) = if matches!(cfa, k::CFA_SIGNAL | k::CFA_STOP | k::CFA_UNSUPPORTED) {
+                (k::RBP_SAME, 0)
+            } else {
+                (rbp, rbp_offset8)
+            };
+            if cfa == k::CFA_UNSUPPORTED {
+                unsupported_rows += 1;
+            }
+            raw.push(Row {
+                pc,
+                cfa_offset,
+                cfa,
+                rbp,
+                rbp_offset8,
+            });
+        }
+        // Past the function's end no rule holds, unless another FDE starts there.
+        if let Some(end) = fde
+            .initial_address()
+            .checked_add(fde.len())
+            .and_then(|end| file_offset(segments, end).or_else(|| file_offset(segments, end - 1).map(|o| o + 1)))
+        {
+            raw.push(Row {
+                pc: end,
+                cfa_offset: 0,
+                cfa: k::CFA_NONE,
+                rbp: k::RBP_SAME,
+                rbp_offset8: 0,
+            });
+        }
+    }
+    Ok(Table {
+        rows: tidy(raw),
+        source,
+        fdes,
+        unsupported: unsupported_rows,
+        outside,
+    })
+}
+
+/// Sorted by pc, one row per pc (a function's rule beats the end marker of the one
+/// before it), rows that repeat their predecessor's rule dropped.
+fn tidy(mut raw: Vec<Row>) -> Vec<Row> {
+    // Stable: among rows of one pc, markers sort first, so the last one is a rule.
+    raw.sort_by_key(|r| (r.pc, r.cfa != k::CFA_NONE));
+    let mut out: Vec<Row> = Vec::with_capacity(raw.len());
+    for r in raw {
+        if let Some(last) = out.last_mut() {
+            if last.pc == r.pc {
+                *last = r;
+                continue;
+            }
+        }
+        out.push(r);
+    }
+    let mut kept: Vec<Row> = Vec::with_capacity(out.len());
+    for r in out {
+        let same_rule = kept.last().is_some_and(|l| {
+            (l.cfa, l.cfa_offset, l.rbp, l.rbp_offset8) == (r.cfa, r.cfa_offset, r.rbp, r.rbp_offset8)
+        });
+        if !same_rule {
+            kept.push(r);
+        }
+    }
+    // A table that begins with a marker says nothing at its start.
+    if kept.first().is_some_and(|r| r.cfa == k::CFA_NONE) {
+        kept.remove(0);
+    }
+    kept
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(pc: u32, cfa: u8, off: u16) -> Row {
+        Row {
+            pc,
+            cfa_offset: off,
+            cfa,
+            rbp: k::RBP_SAME,
+            rbp_offset8: 0,
+        }
+    }
+
+    #[test]
+    fn tidy_sorts_merges_and_prefers_rules_over_markers() {
+        let t = tidy(vec![
+            row(0x20, k::CFA_RSP, 8),
+            row(0x10, k::CFA_RSP, 8),
+            row(0x18, k::CFA_RSP, 16),
+            row(0x20, k::CFA_NONE, 0),
+            row(0x28, k::CFA_RSP, 16),
+            row(0x30, k::CFA_NONE, 0),
+        ]);
+        assert_eq!(
+            t,
+            vec![
+                row(0x10, k::CFA_RSP, 8),
+                row(0x18, k::CFA_RSP, 16),
+                row(0x20, k::CFA_RSP, 8),
+                row(0x28, k::CFA_RSP, 16),
+                row(0x30, k::CFA_NONE, 0),
+            ]
+        );
+    }
+
+    #[test]
+    fn plt_expressions_are_recognised() {
+        let mut e = PLT_EXPR_HEAD.to_vec();
+        e[6] = 0x3b;
+        e.extend_from_slice(&PLT_EXPR_TAIL);
+        assert_eq!(is_plt(&e), Some(11));
+        e[6] = 0x3a;
+        assert_eq!(is_plt(&e), Some(10));
+        e[6] = 0x39;
+        assert_eq!(is_plt(&e), None);
+        assert_eq!(is_plt(&e[1..]), None);
+    }
+
+    #[test]
+    fn libc_and_this_test_binary_build_valid_sorted_tables() {
+        for path in ["/proc/self/exe", "/lib/x86_64-linux-gnu/libc.so.6"] {
+            let Ok(data) = std::fs::read(path) else {
+                continue;
+            };
+            let t = build(&data).expect(path);
+            assert_eq!(t.source, Source::EhFrame);
+            assert!(t.rows.len() > 1000, "{path}: {} rows", t.rows.len());
+            assert!(t.rows.windows(2).all(|w| w[0].pc < w[1].pc), "{path}: sorted");
+            assert!(t.rows.iter().all(Row::valid), "{path}: every row in range");
+            assert!(t.rows.iter().any(|r| r.cfa == k::CFA_PLT), "{path}: PLT rows");
+            assert!(t.rows.iter().any(|r| r.rbp == k::RBP_AT_CFA), "{path}: saved rbp");
+        }
+    }
+
+    #[test]
+    fn garbage_is_an_error_not_a_panic() {
+        assert!(build(b"").is_err());
+        assert!(build(b"\x7fELF garbage").is_err());
+        let mut data = std::fs::read("/proc/self/exe").expect("own binary");
+        // Truncated in the middle: an error or a smaller table, never a panic.
+        data.truncate(data.len() / 3);
+        let _ = build(&data);
+    }
+}

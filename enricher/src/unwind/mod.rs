@@ -1,0 +1,76 @@
+//! Unwind tables for the sampler's BPF unwinder: built here from each binary's CFI
+//! (the sampler parses no ELF or DWARF), sent over the subscription in chunks.
+
+pub mod build;
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+
+pub use build::{build, BuildError, Source, Table};
+
+/// Largest file a table is built from (the file is mapped, not read).
+const MAX_FILE_BYTES: u64 = 2 << 30;
+
+/// What became of a file's table within one subscription.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    /// In the sampler's maps.
+    Loaded,
+    /// Building or sending failed in a way worth another try from this round on.
+    Retry(u64),
+    /// The sampler refused it, or it has no usable CFI: not asked again this session.
+    Given,
+}
+
+/// Per subscription: tables are the sampler's only while the subscription lasts.
+#[derive(Debug, Default)]
+pub struct Sent {
+    by_file: HashMap<(u64, u64), State>,
+}
+
+impl Sent {
+    /// Whether the file `(dev, inode)` still wants a table in round `round`.
+    pub fn wants(&self, file: (u64, u64), round: u64) -> bool {
+        match self.by_file.get(&file) {
+            None => true,
+            Some(State::Retry(from)) => round >= *from,
+            Some(_) => false,
+        }
+    }
+
+    pub fn set(&mut self, file: (u64, u64), s: State) {
+        self.by_file.insert(file, s);
+    }
+
+    pub fn loaded(&self) -> usize {
+        self.by_file.values().filter(|s| **s == State::Loaded).count()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("reading the binary: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the binary is {0} bytes, over the {MAX_FILE_BYTES}-byte bound")]
+    TooLarge(u64),
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error("the table builder panicked on a malformed binary")]
+    Panicked,
+}
+
+/// Builds the table of the file behind `fd` (mapped read-only, never written).
+pub fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
+    let file = std::fs::File::from(fd);
+    let len = file.metadata()?.len();
+    if len > MAX_FILE_BYTES {
+        return Err(LoadError::TooLarge(len));
+    }
+    // SAFETY: a read-only private mapping of a brokered file. Another process could
+    // truncate the file under us (SIGBUS); the sampler brokers only regular files that
+    // processes have mapped executable, which are not truncated in practice.
+    let map = unsafe { memmap2::Mmap::map(&file)? };
+    crate::symbolize::contained(|| build(&map))
+        .ok_or(LoadError::Panicked)?
+        .map_err(LoadError::from)
+}

@@ -1,0 +1,638 @@
+//! Unwind tables and process mappings for the BPF unwinder.
+//!
+//! The enricher builds a table per file from its CFI (the sampler parses no ELF or
+//! DWARF) and sends it in chunks of fixed-size rows. Here each row is checked (sorted,
+//! kinds and offsets in range), the table is held to its budgets, and the rows are
+//! written into the program's `rows` array with map-update commands; `tables` then
+//! points the file at its run. The sampler also writes each process's executable
+//! mappings (from the /proc/PID/maps it reads anyway) into `procmaps`.
+//!
+//! A wrong table can only make the unwinder read the wrong words of the sampled
+//! process's own user memory (bpf_probe_read_user, which faults safely) and so produce
+//! wrong user stacks: the verifier bounds every loop and map access whatever the rows
+//! say. Tables last while the subscription that sent them does.
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::rc::Rc;
+
+use firn_sampler_bpf::types::{firn_cfa_kind as Cfa, firn_rbp_kind as Rbp};
+use firn_schema::unwind_row::{self as row_kinds, Row};
+use libbpf_rs::libbpf_sys;
+
+use crate::counters::{add, bump, Counters};
+use crate::procfs::{Mapping, ProcessRecord};
+
+/// Bytes of one row on the wire and in the `rows` map.
+pub const ROW_BYTES: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
+const _: () = assert!(ROW_BYTES == std::mem::size_of::<firn_sampler_bpf::types::firn_unwind_row>());
+/// The BPF binary search takes 24 steps: a table has fewer rows than 2^24.
+pub const MAX_TABLE_ROWS: u32 = (1 << 24) - 1;
+/// Default size of the row pool (`--unwind-rows`): 32 MiB of kernel memory.
+pub const DEFAULT_POOL_ROWS: u32 = 4 << 20;
+/// Default row limit of one table (`--unwind-table-rows`): 8 MiB.
+pub const DEFAULT_TABLE_ROWS: u32 = 1 << 20;
+/// Files with a table at once (`tables` map entries).
+pub const MAX_TABLES: usize = 4096;
+/// Executable mappings of a process the unwinder sees (`FIRN_MAX_MAPPINGS`).
+pub const MAX_MAPPINGS: usize = 64;
+/// Rows per map-update command.
+const WRITE_BATCH: usize = 8192;
+
+// The wire's kinds are the BPF program's.
+const _: () = {
+    assert!(row_kinds::CFA_NONE as u32 == Cfa::FIRN_CFA_NONE.0);
+    assert!(row_kinds::CFA_RSP as u32 == Cfa::FIRN_CFA_RSP.0);
+    assert!(row_kinds::CFA_RBP as u32 == Cfa::FIRN_CFA_RBP.0);
+    assert!(row_kinds::CFA_PLT as u32 == Cfa::FIRN_CFA_PLT.0);
+    assert!(row_kinds::CFA_SIGNAL as u32 == Cfa::FIRN_CFA_SIGNAL.0);
+    assert!(row_kinds::CFA_UNSUPPORTED as u32 == Cfa::FIRN_CFA_UNSUPPORTED.0);
+    assert!(row_kinds::CFA_STOP as u32 == Cfa::FIRN_CFA_STOP.0);
+    assert!(row_kinds::CFA_KINDS as u32 == Cfa::FIRN_CFA_KINDS.0);
+    assert!(row_kinds::RBP_SAME as u32 == Rbp::FIRN_RBP_SAME.0);
+    assert!(row_kinds::RBP_AT_CFA as u32 == Rbp::FIRN_RBP_AT_CFA.0);
+    assert!(row_kinds::RBP_UNKNOWN as u32 == Rbp::FIRN_RBP_UNKNOWN.0);
+    assert!(row_kinds::RBP_KINDS as u32 == Rbp::FIRN_RBP_KINDS.0);
+};
+
+/// A file as the BPF maps name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileKey {
+    pub inode: u64,
+    pub dev: u32,
+}
+
+impl FileKey {
+    pub fn of(m: &Mapping) -> Self {
+        Self {
+            inode: m.inode,
+            dev: (m.dev_major & 0xfff) << 20 | (m.dev_minor & 0xf_ffff),
+        }
+    }
+
+    fn bytes(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.inode.to_ne_bytes());
+        b[8..12].copy_from_slice(&self.dev.to_ne_bytes());
+        b
+    }
+}
+
+/// What is wrong with a chunk or a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TableError {
+    #[error("the rows are not a whole number of {ROW_BYTES}-byte rows")]
+    Ragged,
+    #[error("an empty table or chunk")]
+    Empty,
+    #[error("row {0}: its pc is not above the previous row's")]
+    Unsorted(u32),
+    #[error("row {0}: unknown CFA or rbp kind")]
+    BadKind(u32),
+    #[error("row {0}: an offset out of range for its kind")]
+    BadOffset(u32),
+    #[error("chunk does not continue the pending table (first row, total or file)")]
+    OutOfOrder,
+    #[error("{rows} rows: over the table limit of {limit}")]
+    TooLarge { rows: u32, limit: u32 },
+    #[error("no room for {rows} rows in the row pool")]
+    NoRoom { rows: u32 },
+    #[error("another subscription provides the tables")]
+    NotOwner,
+    #[error("writing the BPF maps failed: {0}")]
+    Map(i32),
+}
+
+impl TableError {
+    /// A lie or a bug of the sender, not a budget: the connection is closed.
+    pub fn is_malformed(&self) -> bool {
+        matches!(
+            self,
+            Self::Ragged | Self::Empty | Self::Unsorted(_) | Self::BadKind(_) | Self::BadOffset(_)
+        )
+    }
+}
+
+/// Checks the rows of one chunk, numbered from `first`; `prev_pc` is the last pc of
+/// the rows before it. Returns the last pc.
+pub fn check_rows(bytes: &[u8], first: u32, prev_pc: Option<u32>) -> Result<u32, TableError> {
+    if bytes.len() % ROW_BYTES != 0 {
+        return Err(TableError::Ragged);
+    }
+    if bytes.is_empty() {
+        return Err(TableError::Empty);
+    }
+    let mut prev = prev_pc;
+    for (i, row) in bytes.chunks_exact(ROW_BYTES).enumerate() {
+        let n = first.saturating_add(i as u32);
+        let mut b = [0u8; ROW_BYTES];
+        b.copy_from_slice(row);
+        let r = Row::from_bytes(b);
+        if prev.is_some_and(|p| r.pc <= p) {
+            return Err(TableError::Unsorted(n));
+        }
+        prev = Some(r.pc);
+        if r.cfa >= row_kinds::CFA_KINDS || r.rbp >= row_kinds::RBP_KINDS || b[6] & 0x80 != 0 {
+            return Err(TableError::BadKind(n));
+        }
+        if !r.valid() {
+            return Err(TableError::BadOffset(n));
+        }
+    }
+    Ok(prev.unwrap_or(0))
+}
+
+/// Runs of the `rows` array: first fit, freed runs merged.
+#[derive(Debug)]
+pub struct Pool {
+    /// Free runs (first, len), sorted, never adjacent.
+    free: Vec<(u32, u32)>,
+    capacity: u32,
+}
+
+impl Pool {
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            free: if capacity > 0 {
+                vec![(0, capacity)]
+            } else {
+                Vec::new()
+            },
+            capacity,
+        }
+    }
+
+    pub fn alloc(&mut self, n: u32) -> Option<u32> {
+        if n == 0 {
+            return None;
+        }
+        let i = self.free.iter().position(|&(_, len)| len >= n)?;
+        let (first, len) = self.free[i];
+        if len == n {
+            self.free.remove(i);
+        } else {
+            self.free[i] = (first + n, len - n);
+        }
+        Some(first)
+    }
+
+    pub fn release(&mut self, first: u32, n: u32) {
+        if n == 0 || first.checked_add(n).is_none_or(|end| end > self.capacity) {
+            return;
+        }
+        let i = self.free.partition_point(|&(f, _)| f < first);
+        self.free.insert(i, (first, n));
+        // Merge with the next, then with the previous.
+        if i + 1 < self.free.len() && first + n == self.free[i + 1].0 {
+            self.free[i].1 += self.free[i + 1].1;
+            self.free.remove(i + 1);
+        }
+        if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == first {
+            self.free[i - 1].1 += self.free[i].1;
+            self.free.remove(i);
+        }
+    }
+
+    pub fn free_rows(&self) -> u32 {
+        self.free.iter().map(|&(_, n)| n).sum()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Installed {
+    first: u32,
+    count: u32,
+    /// Install order, for evicting the oldest unused table first.
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct Pending {
+    file: FileKey,
+    first: u32,
+    total: u32,
+    next: u32,
+    last_pc: Option<u32>,
+}
+
+/// Limits of the tables (flags).
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub pool_rows: u32,
+    pub table_rows: u32,
+}
+
+/// The unwinder's maps, written by the sampler.
+pub struct Unwind {
+    rows: OwnedFd,
+    tables: OwnedFd,
+    procmaps: OwnedFd,
+    limits: Limits,
+    pool: Pool,
+    installed: HashMap<FileKey, Installed>,
+    /// Subscription whose tables are in the maps.
+    owner: Option<u64>,
+    pending: Option<Pending>,
+    seq: u64,
+    /// Files each process in `procmaps` maps, by tgid, and how many processes map a file.
+    processes: HashMap<u32, (u64, u32, Vec<FileKey>)>,
+    users: HashMap<FileKey, u32>,
+    counters: Rc<Counters>,
+}
+
+impl Unwind {
+    /// Takes the three maps' fds (duplicated before confinement).
+    pub fn new(
+        rows: OwnedFd,
+        tables: OwnedFd,
+        procmaps: OwnedFd,
+        limits: Limits,
+        counters: Rc<Counters>,
+    ) -> Self {
+        Self {
+            rows,
+            tables,
+            procmaps,
+            limits,
+            pool: Pool::new(limits.pool_rows),
+            installed: HashMap::new(),
+            owner: None,
+            pending: None,
+            seq: 0,
+            processes: HashMap::new(),
+            users: HashMap::new(),
+            counters,
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.limits.pool_rows > 0
+    }
+
+    /// Takes one chunk of the table for `file` from subscription `owner`. `Ok(true)`:
+    /// the table is complete and in use.
+    pub fn take_chunk(
+        &mut self,
+        owner: u64,
+        file: FileKey,
+        first_row: u32,
+        total: u32,
+        bytes: &[u8],
+    ) -> Result<bool, TableError> {
+        if self.owner.is_some_and(|o| o != owner) {
+            return Err(TableError::NotOwner);
+        }
+        if first_row == 0 {
+            self.abandon_pending();
+            if total == 0 {
+                return Err(TableError::Empty);
+            }
+            let limit = self.limits.table_rows.min(MAX_TABLE_ROWS);
+            if total > limit {
+                return Err(TableError::TooLarge { rows: total, limit });
+            }
+            let first = self.alloc(total, file)?;
+            self.owner = Some(owner);
+            self.pending = Some(Pending {
+                file,
+                first,
+                total,
+                next: 0,
+                last_pc: None,
+            });
+        }
+        let (first, next, last_pc) = match self.pending.as_ref() {
+            Some(p) if p.file == file && p.total == total && p.next == first_row => {
+                (p.first, p.next, p.last_pc)
+            }
+            _ => return Err(TableError::OutOfOrder),
+        };
+        let n = (bytes.len() / ROW_BYTES) as u32;
+        let checked = if u64::from(first_row) + u64::from(n) > u64::from(total) {
+            Err(TableError::OutOfOrder)
+        } else {
+            check_rows(bytes, first_row, last_pc)
+                .and_then(|last| write_rows(&self.rows, first + first_row, bytes).map(|()| last))
+        };
+        let last = match checked {
+            Ok(l) => l,
+            Err(e) => {
+                self.abandon_pending();
+                return Err(e);
+            }
+        };
+        let Some(mut p) = self.pending.take() else {
+            return Err(TableError::OutOfOrder);
+        };
+        p.next = next + n;
+        p.last_pc = Some(last);
+        if p.next < p.total {
+            self.pending = Some(p);
+            return Ok(false);
+        }
+        self.publish(p)?;
+        Ok(true)
+    }
+
+    fn alloc(&mut self, rows: u32, file: FileKey) -> Result<u32, TableError> {
+        if let Some(first) = self.pool.alloc(rows) {
+            if self.installed.len() < MAX_TABLES || self.installed.contains_key(&file) {
+                return Ok(first);
+            }
+            self.pool.release(first, rows);
+        }
+        // Make room from tables of files no known process maps, oldest first.
+        let mut unused: Vec<(u64, FileKey)> = self
+            .installed
+            .iter()
+            .filter(|(f, _)| self.users.get(f).copied().unwrap_or(0) == 0 && **f != file)
+            .map(|(f, t)| (t.seq, *f))
+            .collect();
+        unused.sort_unstable_by_key(|(seq, _)| *seq);
+        for (_, f) in unused {
+            self.remove(f);
+            bump(&self.counters.unwind_tables_evicted);
+            if self.installed.len() < MAX_TABLES {
+                if let Some(first) = self.pool.alloc(rows) {
+                    return Ok(first);
+                }
+            }
+        }
+        Err(TableError::NoRoom { rows })
+    }
+
+    fn publish(&mut self, p: Pending) -> Result<(), TableError> {
+        let c = self.counters.clone();
+        let value = firn_sampler_bpf::types::firn_table {
+            first: p.first,
+            count: p.total,
+        };
+        let key = p.file.bytes();
+        // SAFETY: key is 16 bytes (firn_file_key), value a firn_table; both outlive the
+        // call.
+        let ret = unsafe {
+            libbpf_sys::bpf_map_update_elem(
+                self.tables.as_raw_fd(),
+                key.as_ptr().cast(),
+                (&raw const value).cast(),
+                u64::from(libbpf_sys::BPF_ANY),
+            )
+        };
+        if ret < 0 {
+            self.pool.release(p.first, p.total);
+            return Err(TableError::Map(ret));
+        }
+        self.seq += 1;
+        if let Some(old) = self.installed.insert(
+            p.file,
+            Installed {
+                first: p.first,
+                count: p.total,
+                seq: self.seq,
+            },
+        ) {
+            self.pool.release(old.first, old.count);
+        }
+        bump(&c.unwind_tables_loaded);
+        add(&c.unwind_rows_loaded, u64::from(p.total));
+        c.unwind_rows_in_use.set(self.rows_in_use());
+        Ok(())
+    }
+
+    fn remove(&mut self, file: FileKey) {
+        if let Some(t) = self.installed.remove(&file) {
+            let key = file.bytes();
+            // SAFETY: key is a 16-byte firn_file_key. Deleted before the run is reused,
+            // so the program never reads another file's rows for this one.
+            unsafe { libbpf_sys::bpf_map_delete_elem(self.tables.as_raw_fd(), key.as_ptr().cast()) };
+            self.pool.release(t.first, t.count);
+        }
+    }
+
+    fn abandon_pending(&mut self) {
+        if let Some(p) = self.pending.take() {
+            self.pool.release(p.first, p.total);
+        }
+    }
+
+    /// The subscription `owner` ended: its tables go.
+    pub fn drop_owner(&mut self, owner: u64) {
+        if self.owner != Some(owner) {
+            return;
+        }
+        self.abandon_pending();
+        let files: Vec<FileKey> = self.installed.keys().copied().collect();
+        for f in files {
+            self.remove(f);
+        }
+        self.owner = None;
+        self.counters.unwind_rows_in_use.set(0);
+        tracing::info!(subscriber = owner, "the unwind tables of a subscription that ended were removed");
+    }
+
+    pub fn rows_in_use(&self) -> u64 {
+        u64::from(self.limits.pool_rows - self.pool.free_rows())
+    }
+
+    /// Writes the executable mappings of a process just read from /proc.
+    pub fn set_process(&mut self, key: crate::processes::ProcKey, rec: &ProcessRecord) {
+        let c = self.counters.clone();
+        if !rec.complete {
+            return;
+        }
+        let mut value: firn_sampler_bpf::types::firn_proc_maps = Default::default();
+        value.start_ns = key.start_ns;
+        value.exec_id = key.exec_id;
+        let mut maps: Vec<&Mapping> = rec.mappings.iter().collect();
+        maps.sort_unstable_by_key(|m| m.start);
+        if maps.len() > MAX_MAPPINGS {
+            bump(&c.unwind_mappings_truncated);
+        }
+        let mut files = Vec::new();
+        for (slot, m) in value.m.iter_mut().zip(maps.iter()) {
+            let f = FileKey::of(m);
+            slot.start = m.start;
+            slot.end = m.end;
+            slot.offset = m.offset;
+            slot.file.inode = f.inode;
+            slot.file.dev = f.dev;
+            if !files.contains(&f) {
+                files.push(f);
+            }
+        }
+        value.count = maps.len().min(MAX_MAPPINGS) as u32;
+        // SAFETY: key is a u32 tgid; value a whole firn_proc_maps, both live for the call.
+        let ret = unsafe {
+            libbpf_sys::bpf_map_update_elem(
+                self.procmaps.as_raw_fd(),
+                (&raw const key.tgid).cast(),
+                (&raw const value).cast(),
+                u64::from(libbpf_sys::BPF_ANY),
+            )
+        };
+        if ret < 0 {
+            bump(&c.unwind_procmaps_failed);
+            return;
+        }
+        for f in &files {
+            *self.users.entry(*f).or_default() += 1;
+        }
+        if let Some((_, _, old)) = self.processes.insert(key.tgid, (key.start_ns, key.exec_id, files)) {
+            self.unuse(&old);
+        }
+    }
+
+    /// The process is forgotten: its mappings go, unless the pid is another process's
+    /// by now (reuse, or its next program after an exec).
+    pub fn forget_process(&mut self, key: crate::processes::ProcKey) {
+        match self.processes.get(&key.tgid) {
+            Some(&(start, exec, _)) if start == key.start_ns && exec == key.exec_id => {}
+            _ => return,
+        }
+        if let Some((_, _, files)) = self.processes.remove(&key.tgid) {
+            self.unuse(&files);
+        }
+        // SAFETY: key is a u32 tgid.
+        unsafe {
+            libbpf_sys::bpf_map_delete_elem(self.procmaps.as_raw_fd(), (&raw const key.tgid).cast())
+        };
+    }
+
+    fn unuse(&mut self, files: &[FileKey]) {
+        for f in files {
+            if let Some(n) = self.users.get_mut(f) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.users.remove(f);
+                }
+            }
+        }
+    }
+}
+
+/// Writes rows into the `rows` array from index `at`, in batches.
+fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
+    let mut keys: Vec<u32> = Vec::with_capacity(WRITE_BATCH);
+    for (b, chunk) in bytes.chunks(WRITE_BATCH * ROW_BYTES).enumerate() {
+        let n = chunk.len() / ROW_BYTES;
+        let base = at + (b * WRITE_BATCH) as u32;
+        keys.clear();
+        keys.extend((0..n as u32).map(|i| base + i));
+        let mut count = n as u32;
+        let opts = libbpf_sys::bpf_map_batch_opts {
+            sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
+            ..Default::default()
+        };
+        // SAFETY: `keys` holds `count` u32 indexes and `chunk` `count` 8-byte rows, the
+        // array's key and value sizes; both live for the call.
+        let ret = unsafe {
+            libbpf_sys::bpf_map_update_batch(
+                rows.as_raw_fd(),
+                keys.as_ptr().cast(),
+                chunk.as_ptr().cast(),
+                &mut count,
+                &opts,
+            )
+        };
+        if ret < 0 {
+            return Err(TableError::Map(ret));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(pc: u32, cfa_offset: u16, cfa: u8, rbp: u8, rbp8: i8) -> [u8; 8] {
+        let mut r = [0u8; 8];
+        r[..4].copy_from_slice(&pc.to_le_bytes());
+        r[4..6].copy_from_slice(&cfa_offset.to_le_bytes());
+        r[6] = cfa | rbp << 4;
+        r[7] = rbp8 as u8;
+        r
+    }
+
+    fn rows(rs: &[[u8; 8]]) -> Vec<u8> {
+        rs.concat()
+    }
+
+    #[test]
+    fn good_rows_pass() {
+        let t = rows(&[
+            row(0x1000, 8, 1, 0, 0),
+            row(0x1001, 16, 1, 1, -2),
+            row(0x1004, 16, 2, 1, -2),
+            row(0x1010, 11, 3, 0, 0),
+            row(0x1020, 0, 6, 0, 0),
+            row(0x1030, 0, 0, 0, 0),
+        ]);
+        assert_eq!(check_rows(&t, 0, None), Ok(0x1030));
+        // A chunk continues after the previous chunk's last pc.
+        assert_eq!(
+            check_rows(&rows(&[row(0x1000, 8, 1, 0, 0)]), 6, Some(0x1000)),
+            Err(TableError::Unsorted(6))
+        );
+    }
+
+    #[test]
+    fn bad_rows_are_named() {
+        assert_eq!(check_rows(&[0u8; 7], 0, None), Err(TableError::Ragged));
+        assert_eq!(check_rows(&[], 0, None), Err(TableError::Empty));
+        let unsorted = rows(&[row(0x20, 8, 1, 0, 0), row(0x10, 8, 1, 0, 0)]);
+        assert_eq!(check_rows(&unsorted, 0, None), Err(TableError::Unsorted(1)));
+        let equal = rows(&[row(0x20, 8, 1, 0, 0), row(0x20, 8, 1, 0, 0)]);
+        assert_eq!(check_rows(&equal, 0, None), Err(TableError::Unsorted(1)));
+        assert_eq!(
+            check_rows(&row(0, 8, 7, 0, 0), 0, None),
+            Err(TableError::BadKind(0))
+        );
+        assert_eq!(
+            check_rows(&row(0, 8, 1, 3, 0), 0, None),
+            Err(TableError::BadKind(0))
+        );
+        // rsp + 0 would put the return address below the stack pointer.
+        assert_eq!(
+            check_rows(&row(0, 0, 1, 0, 0), 0, None),
+            Err(TableError::BadOffset(0))
+        );
+        // A saved rbp above the CFA, or an offset on a kind without one.
+        assert_eq!(
+            check_rows(&row(0, 16, 1, 1, 1), 0, None),
+            Err(TableError::BadOffset(0))
+        );
+        assert_eq!(
+            check_rows(&row(0, 16, 1, 0, -2), 0, None),
+            Err(TableError::BadOffset(0))
+        );
+        assert_eq!(
+            check_rows(&row(0, 17, 3, 0, 0), 0, None),
+            Err(TableError::BadOffset(0))
+        );
+        assert_eq!(
+            check_rows(&row(0, 8, 6, 0, 0), 0, None),
+            Err(TableError::BadOffset(0))
+        );
+        assert!(TableError::Unsorted(3).is_malformed());
+        assert!(!TableError::NoRoom { rows: 1 }.is_malformed());
+    }
+
+    #[test]
+    fn the_pool_reuses_and_merges_runs() {
+        let mut p = Pool::new(100);
+        let a = p.alloc(40).unwrap();
+        let b = p.alloc(40).unwrap();
+        assert_eq!((a, b), (0, 40));
+        assert_eq!(p.alloc(30), None);
+        p.release(a, 40);
+        assert_eq!(p.alloc(30), Some(0));
+        p.release(0, 30);
+        p.release(b, 40);
+        assert_eq!(p.free_rows(), 100);
+        assert_eq!(p.free, vec![(0, 100)], "merged back into one run");
+        p.release(90, 20);
+        assert_eq!(p.free_rows(), 100, "a run past the end is ignored");
+        assert_eq!(Pool::new(0).alloc(1), None);
+    }
+}
