@@ -71,3 +71,17 @@ printf '0::/user.slice/user-1000.slice/user@1000.service/app.slice/app-gnome\\x2
 printf '0::/machine.slice/libpod-4f1a6bb2c0e1d9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4.scope/container\n' > $s/cgroup_path/seed-podman
 cat /proc/self/cgroup > $s/cgroup_path/seed-this-machine
 ls -l $s/*
+
+# The unwind table builder reads the same binaries; the row checker starts from rows of
+# every kind (first byte: first row index, then an optional previous pc).
+cp $s/symbolize_elf/seed-* $s/unwind_table_build/
+python3 - "$s/unwind_rows" <<'PY'
+import struct, sys
+d = sys.argv[1] + '/'
+def row(pc, off, cfa, rbp, r8): return struct.pack('<IHBb', pc, off, cfa | rbp << 4, r8)
+open(d + 'seed-valid', 'wb').write(bytes(5) + row(0x1000, 8, 1, 0, 0) + row(0x1001, 16, 1, 1, -2)
+    + row(0x1004, 16, 2, 1, -2) + row(0x1010, 11, 3, 0, 0) + row(0x1020, 0, 4, 0, 0)
+    + row(0x1030, 0, 6, 0, 0) + row(0x1040, 0, 0, 0, 0))
+open(d + 'seed-continued', 'wb').write(bytes([3, 1, 0x10, 0, 0]) + row(0x2000, 8, 1, 0, 0) + row(0x2008, 24, 1, 1, -3))
+open(d + 'seed-unsorted', 'wb').write(bytes(5) + row(0x20, 8, 1, 0, 0) + row(0x10, 8, 1, 0, 0))
+PY

@@ -102,7 +102,9 @@ fn bytes(d: capnp::data::Reader<'_>, what: &'static str) -> Result<String, Decod
 /// while walking frame pointers get none: they may well be whole.
 fn unwind_marker(e: Result<UnwindEnd, capnp::NotInSchema>) -> Option<&'static str> {
     match e {
-        Ok(UnwindEnd::NoMapping) => Some("[unwind stopped: code outside file mappings (JIT, anonymous, vDSO)]"),
+        Ok(UnwindEnd::NoMapping) => {
+            Some("[unwind stopped: code outside file mappings (JIT, anonymous, vDSO)]")
+        }
         Ok(UnwindEnd::Unsupported) => Some("[unwind stopped: unsupported CFA rule]"),
         Ok(UnwindEnd::ReadFault) => Some("[unwind stopped: stack memory unreadable]"),
         Ok(UnwindEnd::DepthLimit) => Some("[unwind stopped: 127-frame limit]"),

@@ -95,10 +95,17 @@ impl Broker {
             p.set_total_rows(total);
             p.set_rows(part);
             let reply = req.send().promise.await?;
-            match reply.get()?.get_result()?.which().map_err(capnp::Error::from)? {
+            match reply
+                .get()?
+                .get_result()?
+                .which()
+                .map_err(capnp::Error::from)?
+            {
                 table_result::Done(()) => {}
                 table_result::Refused(r) => {
-                    return Err(TableSendError::Refused(r.unwrap_or(TableRefusal::OutOfOrder)))
+                    return Err(TableSendError::Refused(
+                        r.unwrap_or(TableRefusal::OutOfOrder),
+                    ))
                 }
             }
         }

@@ -162,7 +162,9 @@ impl Enricher {
             };
             let version = e.record.mappings_version;
             let path = e.record.mappings[idx].path.clone();
-            let state = self.send_table(broker, pid_id, idx as u32, version, &path, round).await;
+            let state = self
+                .send_table(broker, pid_id, idx as u32, version, &path, round)
+                .await;
             broker.tables.borrow_mut().set(file, state);
         }
     }
@@ -210,7 +212,10 @@ impl Enricher {
         };
         Metrics::inc(&m.unwind_tables_built);
         let rows = table.rows.len();
-        match broker.load_table(pid_id, idx, version, &table.bytes()).await {
+        match broker
+            .load_table(pid_id, idx, version, &table.bytes())
+            .await
+        {
             Ok(()) => {
                 Metrics::inc(&m.unwind_tables_sent);
                 Metrics::add(&m.unwind_table_rows_sent, rows as u64);

@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn shared() -> Rc<Shared> {
     let counters = Rc::new(Counters::default());
+    let unwind = firn_sampler::unwind::Unwind::disabled(counters.clone());
     Rc::new(Shared {
         hub: Hub::new(4, counters.clone()),
         counters,
@@ -31,6 +32,7 @@ fn shared() -> Rc<Shared> {
         max_connections: 4,
         write_stall_limit: std::time::Duration::from_secs(10),
         handles: Rc::new(RefCell::new(Handles::new(0))),
+        unwind: Rc::new(RefCell::new(unwind)),
     })
 }
 

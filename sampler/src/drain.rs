@@ -186,7 +186,9 @@ pub fn drain(
     }
     let mut frames = vec![0u64; MAX_STACK_DEPTH];
     for s in &out.samples {
-        let UserRef::Hash(hash) = s.user else { continue };
+        let UserRef::Hash(hash) = s.user else {
+            continue;
+        };
         if out.user_stacks.contains_key(&hash) {
             continue;
         }

@@ -93,6 +93,35 @@ pub fn run() {
                     attr.len(),
                 )),
             ),
+            // Map commands beyond the drain and table writes: getting an fd of another
+            // map (or program) by id, or pinning objects, stays refused.
+            (
+                "bpf_map_get_fd_by_id",
+                outcome(libc::syscall(
+                    libc::SYS_bpf,
+                    14,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )),
+            ),
+            (
+                "bpf_obj_get",
+                outcome(libc::syscall(
+                    libc::SYS_bpf,
+                    7,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )),
+            ),
+            (
+                "bpf_link_create",
+                outcome(libc::syscall(
+                    libc::SYS_bpf,
+                    28,
+                    attr.as_mut_ptr(),
+                    attr.len(),
+                )),
+            ),
             (
                 "perf_event_open",
                 outcome(libc::syscall(

@@ -309,10 +309,7 @@ mod tests {
         fn forget_announced(&mut self, keys: &[ProcKey]) {
             self.forgotten.extend_from_slice(keys);
         }
-        fn set_mappings(
-            &mut self,
-            fresh: &[(ProcKey, std::rc::Rc<crate::procfs::ProcessRecord>)],
-        ) {
+        fn set_mappings(&mut self, fresh: &[(ProcKey, std::rc::Rc<crate::procfs::ProcessRecord>)]) {
             self.mapped.extend(fresh.iter().map(|(k, _)| *k));
         }
         fn forget_mappings(&mut self, keys: &[ProcKey]) {
@@ -482,7 +479,11 @@ mod tests {
         let round = run(&mut r, &mut m, 1, &[0], &c).unwrap().unwrap();
         assert!(round.data.processes[0].record.complete);
         assert_eq!(c.processes_read.get(), 1);
-        assert_eq!(m.mapped, vec![key], "its mappings went to the unwinder once");
+        assert_eq!(
+            m.mapped,
+            vec![key],
+            "its mappings went to the unwinder once"
+        );
         let id = round.data.processes[0].id;
         // It exits during round 2: kept through round 3, forgotten at round 4's end,
         // without a delete from `seen` (the program forgot it on exit).

@@ -324,7 +324,9 @@ impl SubscriptionImpl {
             Ok(r) => r,
             Err(_) => return Chunk::Malformed(TableError::Ragged),
         };
-        if rows.len() > firn_schema::limits::MAX_TABLE_CHUNK_ROWS as usize * crate::unwind::ROW_BYTES {
+        if rows.len()
+            > firn_schema::limits::MAX_TABLE_CHUNK_ROWS as usize * crate::unwind::ROW_BYTES
+        {
             return Chunk::Malformed(TableError::Ragged);
         }
         match unwind.take_chunk(
@@ -426,7 +428,6 @@ impl subscription::Server for SubscriptionImpl {
         })();
         std::future::ready(r)
     }
-
 
     fn open_mapping(
         self: Rc<Self>,

@@ -116,7 +116,7 @@ impl TableError {
 /// Checks the rows of one chunk, numbered from `first`; `prev_pc` is the last pc of
 /// the rows before it. Returns the last pc.
 pub fn check_rows(bytes: &[u8], first: u32, prev_pc: Option<u32>) -> Result<u32, TableError> {
-    if bytes.len() % ROW_BYTES != 0 {
+    if !bytes.len().is_multiple_of(ROW_BYTES) {
         return Err(TableError::Ragged);
     }
     if bytes.is_empty() {
@@ -198,6 +198,12 @@ impl Pool {
     }
 }
 
+struct Maps {
+    rows: OwnedFd,
+    tables: OwnedFd,
+    procmaps: OwnedFd,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Installed {
     first: u32,
@@ -224,9 +230,8 @@ pub struct Limits {
 
 /// The unwinder's maps, written by the sampler.
 pub struct Unwind {
-    rows: OwnedFd,
-    tables: OwnedFd,
-    procmaps: OwnedFd,
+    /// None: no BPF maps (a test or fuzz harness); tables are refused as disabled.
+    maps: Option<Maps>,
     limits: Limits,
     pool: Pool,
     installed: HashMap<FileKey, Installed>,
@@ -250,9 +255,11 @@ impl Unwind {
         counters: Rc<Counters>,
     ) -> Self {
         Self {
-            rows,
-            tables,
-            procmaps,
+            maps: Some(Maps {
+                rows,
+                tables,
+                procmaps,
+            }),
             limits,
             pool: Pool::new(limits.pool_rows),
             installed: HashMap::new(),
@@ -265,8 +272,28 @@ impl Unwind {
         }
     }
 
+    /// No maps at all: every table is refused as disabled (harnesses without BPF).
+    pub fn disabled(counters: Rc<Counters>) -> Self {
+        let limits = Limits {
+            pool_rows: 0,
+            table_rows: 0,
+        };
+        Self {
+            maps: None,
+            limits,
+            pool: Pool::new(0),
+            installed: HashMap::new(),
+            owner: None,
+            pending: None,
+            seq: 0,
+            processes: HashMap::new(),
+            users: HashMap::new(),
+            counters,
+        }
+    }
+
     pub fn enabled(&self) -> bool {
-        self.limits.pool_rows > 0
+        self.limits.pool_rows > 0 && self.maps.is_some()
     }
 
     /// Takes one chunk of the table for `file` from subscription `owner`. `Ok(true)`:
@@ -311,8 +338,10 @@ impl Unwind {
         let checked = if u64::from(first_row) + u64::from(n) > u64::from(total) {
             Err(TableError::OutOfOrder)
         } else {
-            check_rows(bytes, first_row, last_pc)
-                .and_then(|last| write_rows(&self.rows, first + first_row, bytes).map(|()| last))
+            check_rows(bytes, first_row, last_pc).and_then(|last| match &self.maps {
+                Some(m) => write_rows(&m.rows, first + first_row, bytes).map(|()| last),
+                None => Err(TableError::Map(-libc::ENODEV)),
+            })
         };
         let last = match checked {
             Ok(l) => l,
@@ -368,11 +397,15 @@ impl Unwind {
             count: p.total,
         };
         let key = p.file.bytes();
+        let Some(maps) = &self.maps else {
+            self.pool.release(p.first, p.total);
+            return Err(TableError::Map(-libc::ENODEV));
+        };
         // SAFETY: key is 16 bytes (firn_file_key), value a firn_table; both outlive the
         // call.
         let ret = unsafe {
             libbpf_sys::bpf_map_update_elem(
-                self.tables.as_raw_fd(),
+                maps.tables.as_raw_fd(),
                 key.as_ptr().cast(),
                 (&raw const value).cast(),
                 u64::from(libbpf_sys::BPF_ANY),
@@ -402,9 +435,13 @@ impl Unwind {
     fn remove(&mut self, file: FileKey) {
         if let Some(t) = self.installed.remove(&file) {
             let key = file.bytes();
-            // SAFETY: key is a 16-byte firn_file_key. Deleted before the run is reused,
-            // so the program never reads another file's rows for this one.
-            unsafe { libbpf_sys::bpf_map_delete_elem(self.tables.as_raw_fd(), key.as_ptr().cast()) };
+            if let Some(m) = &self.maps {
+                // SAFETY: key is a 16-byte firn_file_key. Deleted before the run is
+                // reused, so the program never reads another file's rows for this one.
+                unsafe {
+                    libbpf_sys::bpf_map_delete_elem(m.tables.as_raw_fd(), key.as_ptr().cast())
+                };
+            }
             self.pool.release(t.first, t.count);
         }
     }
@@ -427,7 +464,10 @@ impl Unwind {
         }
         self.owner = None;
         self.counters.unwind_rows_in_use.set(0);
-        tracing::info!(subscriber = owner, "the unwind tables of a subscription that ended were removed");
+        tracing::info!(
+            subscriber = owner,
+            "the unwind tables of a subscription that ended were removed"
+        );
     }
 
     pub fn rows_in_use(&self) -> u64 {
@@ -437,12 +477,15 @@ impl Unwind {
     /// Writes the executable mappings of a process just read from /proc.
     pub fn set_process(&mut self, key: crate::processes::ProcKey, rec: &ProcessRecord) {
         let c = self.counters.clone();
+        let Some(bpf) = &self.maps else { return };
         if !rec.complete {
             return;
         }
-        let mut value: firn_sampler_bpf::types::firn_proc_maps = Default::default();
-        value.start_ns = key.start_ns;
-        value.exec_id = key.exec_id;
+        let mut value = firn_sampler_bpf::types::firn_proc_maps {
+            start_ns: key.start_ns,
+            exec_id: key.exec_id,
+            ..Default::default()
+        };
         let mut maps: Vec<&Mapping> = rec.mappings.iter().collect();
         maps.sort_unstable_by_key(|m| m.start);
         if maps.len() > MAX_MAPPINGS {
@@ -464,7 +507,7 @@ impl Unwind {
         // SAFETY: key is a u32 tgid; value a whole firn_proc_maps, both live for the call.
         let ret = unsafe {
             libbpf_sys::bpf_map_update_elem(
-                self.procmaps.as_raw_fd(),
+                bpf.procmaps.as_raw_fd(),
                 (&raw const key.tgid).cast(),
                 (&raw const value).cast(),
                 u64::from(libbpf_sys::BPF_ANY),
@@ -477,7 +520,10 @@ impl Unwind {
         for f in &files {
             *self.users.entry(*f).or_default() += 1;
         }
-        if let Some((_, _, old)) = self.processes.insert(key.tgid, (key.start_ns, key.exec_id, files)) {
+        if let Some((_, _, old)) = self
+            .processes
+            .insert(key.tgid, (key.start_ns, key.exec_id, files))
+        {
             self.unuse(&old);
         }
     }
@@ -492,10 +538,15 @@ impl Unwind {
         if let Some((_, _, files)) = self.processes.remove(&key.tgid) {
             self.unuse(&files);
         }
-        // SAFETY: key is a u32 tgid.
-        unsafe {
-            libbpf_sys::bpf_map_delete_elem(self.procmaps.as_raw_fd(), (&raw const key.tgid).cast())
-        };
+        if let Some(m) = &self.maps {
+            // SAFETY: key is a u32 tgid.
+            unsafe {
+                libbpf_sys::bpf_map_delete_elem(
+                    m.procmaps.as_raw_fd(),
+                    (&raw const key.tgid).cast(),
+                )
+            };
+        }
     }
 
     fn unuse(&mut self, files: &[FileKey]) {

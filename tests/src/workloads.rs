@@ -137,6 +137,32 @@ pub fn compile(src_name: &str, out_name: &str, flags: &[&str]) -> PathBuf {
     out
 }
 
+/// Compiles `tests/workloads/SRC` with `cc` and exactly `flags` (no frame-pointer
+/// flags added: the distribution's defaults), once.
+pub fn compile_plain(cc: &str, src_name: &str, out_name: &str, flags: &[&str]) -> PathBuf {
+    let src = repo_root().join("tests/workloads").join(src_name);
+    let out_dir = repo_root().join("target/workloads");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let out = out_dir.join(out_name);
+    let fresh = match (std::fs::metadata(&src), std::fs::metadata(&out)) {
+        (Ok(s), Ok(o)) => o.modified().ok() >= s.modified().ok(),
+        _ => false,
+    };
+    if !fresh {
+        let tmp = out_dir.join(format!("{out_name}.tmp{}", std::process::id()));
+        let status = Command::new(cc)
+            .args(flags)
+            .arg("-o")
+            .arg(&tmp)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| panic!("{cc} must be installed: {e}"));
+        assert!(status.success(), "compiling {}", src.display());
+        std::fs::rename(&tmp, &out).unwrap();
+    }
+    out
+}
+
 /// Runs `script` with `sh -c` in a new private mount namespace (unshare).
 pub fn in_mount_ns(script: &str) -> Proc {
     let mut cmd = Command::new("unshare");

@@ -64,6 +64,14 @@ fn hostile_clients_are_counted_and_cut_off() {
         ("unknown-interface", "unknown_methods", true),
         ("flood", "request_floods", true),
         ("slowloris", "stalled_connections", true),
+        // Unwind tables: malformed rows close the connection; budgets and unknown
+        // identities are refused and counted; a guessed id closes.
+        ("table-unsorted", "unwind_tables_refused_malformed", true),
+        ("table-bad-kind", "unwind_tables_refused_malformed", true),
+        ("table-oversized", "unwind_tables_refused_budget", false),
+        ("table-unknown", "unwind_tables_refused_unknown", false),
+        ("table-never-issued", "broker_requests_never_issued", true),
+        ("table-flood", "request_floods", true),
     ];
     for (scenario, counter_name, must_close) in cases {
         let before = batches(&good).len();

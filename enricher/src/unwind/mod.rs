@@ -43,7 +43,10 @@ impl Sent {
     }
 
     pub fn loaded(&self) -> usize {
-        self.by_file.values().filter(|s| **s == State::Loaded).count()
+        self.by_file
+            .values()
+            .filter(|s| **s == State::Loaded)
+            .count()
     }
 }
 

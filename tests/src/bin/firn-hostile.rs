@@ -190,7 +190,8 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
             drop(client);
             return slowloris(&sock).await;
         }
-        "never-issued" | "unknown-process" | "fd-flood" => {
+        "never-issued" | "unknown-process" | "fd-flood" | "table-unsorted" | "table-bad-kind"
+        | "table-oversized" | "table-unknown" | "table-never-issued" | "table-flood" => {
             let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
                 target: target.clone(),
             });
@@ -212,7 +213,77 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
                 r.get().set_mappings_version(v);
                 r.send().promise
             };
+            let table = |id: u64, v: u32, first: u32, total: u32, rows: Vec<u8>| {
+                let mut r = sub.load_unwind_table_request();
+                r.get().set_process_id(id);
+                r.get().set_mapping_index(0);
+                r.get().set_mappings_version(v);
+                r.get().set_first_row(first);
+                r.get().set_total_rows(total);
+                r.get().set_rows(&rows);
+                r.send().promise
+            };
+            // A row: pc, CFA = rsp + 8 (valid unless changed).
+            let row = |pc: u32, kinds: u8| {
+                let mut b = pc.to_le_bytes().to_vec();
+                b.extend_from_slice(&8u16.to_le_bytes());
+                b.extend_from_slice(&[kinds, 0]);
+                b
+            };
+            let refused = |reply: &capnp::capability::Response<
+                firn_schema::firn_capnp::subscription::load_unwind_table_results::Owned,
+            >| {
+                matches!(
+                    reply.get().and_then(|r| r.get_result()).map(|r| r.which()),
+                    Ok(Ok(firn_schema::firn_capnp::table_result::Refused(_)))
+                )
+            };
             match scenario.as_str() {
+                "table-unsorted" | "table-bad-kind" => {
+                    let rows = if scenario == "table-unsorted" {
+                        [row(0x20, 1), row(0x10, 1)].concat()
+                    } else {
+                        [row(0x10, 1), row(0x20, 9)].concat()
+                    };
+                    if table(pid, version, 0, 2, rows).await.is_err() {
+                        errors += 1;
+                    }
+                }
+                "table-oversized" | "table-unknown" => {
+                    // Over the per-table limit (refused, connection kept), or a version
+                    // this subscription was never sent (refused, kept).
+                    let (v, total) = if scenario == "table-oversized" {
+                        (version, 64 << 20)
+                    } else {
+                        (version.wrapping_add(7), 1)
+                    };
+                    for _ in 0..5 {
+                        match table(pid, v, 0, total, row(0x10, 1)).await {
+                            Ok(r) if refused(&r) => answered += 1,
+                            _ => errors += 1,
+                        }
+                    }
+                }
+                "table-never-issued" => {
+                    if table(pid + 1_000_000, version, 0, 1, row(0x10, 1))
+                        .await
+                        .is_err()
+                    {
+                        errors += 1;
+                    }
+                }
+                "table-flood" => {
+                    let calls: Vec<_> = (0..3_000)
+                        .map(|_| table(pid, version, 0, 1, row(0x10, 1)))
+                        .collect();
+                    for c in futures::future::join_all(calls).await {
+                        if c.is_ok() {
+                            answered += 1
+                        } else {
+                            errors += 1
+                        }
+                    }
+                }
                 "never-issued" => {
                     if open(pid + 1_000_000, 0, version).await.is_err() {
                         errors += 1;

@@ -1,0 +1,48 @@
+//! The sampler's checks of unwind table chunks from a subscriber: arbitrary bytes as a
+//! chunk never panic, and whatever passes is sorted and in range (what the BPF unwinder
+//! is given). The row pool's allocator, driven by the same bytes, never hands out
+//! overlapping runs or more rows than it has.
+#![no_main]
+
+use firn_sampler::unwind::{check_rows, Pool, ROW_BYTES};
+use firn_schema::unwind_row::Row;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 5 {
+        return;
+    }
+    let first = u32::from(data[0]);
+    let prev = (data[1] & 1 == 1).then(|| u32::from_le_bytes([data[1], data[2], data[3], data[4]]));
+    let rows = &data[5..];
+    if let Ok(last) = check_rows(rows, first, prev) {
+        let parsed: Vec<Row> = rows
+            .chunks_exact(ROW_BYTES)
+            .map(|c| Row::from_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        assert!(parsed.iter().all(Row::valid));
+        assert!(parsed.windows(2).all(|w| w[0].pc < w[1].pc));
+        assert!(prev.is_none_or(|p| parsed[0].pc > p));
+        assert_eq!(parsed.last().map(|r| r.pc), Some(last));
+    }
+
+    // Pool: alloc (even byte) or release (odd byte) runs, checked against a model.
+    let capacity = 1024;
+    let mut pool = Pool::new(capacity);
+    let mut held: Vec<(u32, u32)> = Vec::new();
+    for pair in data.chunks_exact(2) {
+        let n = u32::from(pair[1]) + 1;
+        if pair[0] % 2 == 0 {
+            if let Some(at) = pool.alloc(n) {
+                assert!(at + n <= capacity);
+                assert!(held.iter().all(|&(a, m)| at + n <= a || a + m <= at), "overlap");
+                held.push((at, n));
+            }
+        } else if !held.is_empty() {
+            let (a, m) = held.swap_remove(usize::from(pair[0]) % held.len());
+            pool.release(a, m);
+        }
+        let used: u32 = held.iter().map(|&(_, m)| m).sum();
+        assert_eq!(pool.free_rows() + used, capacity);
+    }
+});

@@ -1,0 +1,257 @@
+//! Whole user stacks without frame pointers: the enricher builds unwind tables from each
+//! binary's CFI, the sampler checks them into BPF maps, the BPF program walks them.
+//! Read back with `go tool pprof -traces`, measured once every workload's table is in.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
+
+/// Waits until the sampler logged the table of a file whose path contains `needle`.
+fn wait_table(f: &Firn, needle: &str) {
+    let t0 = Instant::now();
+    while t0.elapsed() < 60 * SECS {
+        if f.sampler
+            .lines()
+            .iter()
+            .any(|l| l.contains("unwind table loaded") && l.contains(needle))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!(
+        "no unwind table for {needle}: sampler {:#?}",
+        f.sampler.lines().iter().rev().take(20).collect::<Vec<_>>()
+    );
+}
+
+/// Profile files of `pid` written after `before`, the first of them left out (its
+/// round may have begun before the tables were in).
+fn new_files(f: &Firn, pid: u32, before: &[PathBuf]) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = f
+        .profiles_of(pid)
+        .into_iter()
+        .filter(|p| !before.contains(p))
+        .collect();
+    files.sort();
+    files.into_iter().skip(1).collect()
+}
+
+/// Sample-weighted share of `traces` (leaf first) that `whole` accepts, among those
+/// `counted` accepts.
+fn share(
+    traces: &[(u64, Vec<String>)],
+    counted: impl Fn(&[String]) -> bool,
+    whole: impl Fn(&[String]) -> bool,
+) -> (f64, u64) {
+    let (mut all, mut good) = (0, 0);
+    for (n, frames) in traces {
+        if counted(frames) {
+            all += n;
+            if whole(frames) {
+                good += n;
+            }
+        }
+    }
+    (good as f64 / all.max(1) as f64, all)
+}
+
+/// Whether `frames` hold `chain` as consecutive frames.
+fn has_chain(frames: &[String], chain: &[&str]) -> bool {
+    frames
+        .windows(chain.len())
+        .any(|w| w.iter().zip(chain).all(|(f, c)| f == c))
+}
+
+fn python_loop(dir: &std::path::Path) -> Proc {
+    let script = dir.join("loop.py");
+    std::fs::write(
+        &script,
+        "import os, sys, time\nprint('ready', os.getpid(), flush=True)\n\
+         end = time.time() + float(sys.argv[1])\nx = 0\n\
+         while time.time() < end:\n    for i in range(10000):\n        x = (x * 31 + i) % 1000003\n",
+    )
+    .unwrap();
+    let mut cmd = Command::new("/usr/bin/python3");
+    cmd.arg(&script).arg("120");
+    let p = Proc::spawn("python3", cmd);
+    assert!(
+        p.wait_for("ready", 10 * SECS).is_some(),
+        "python3 did not start"
+    );
+    p
+}
+
+#[test]
+fn whole_stacks_without_frame_pointers() {
+    if !can_run_bpf() {
+        return;
+    }
+    let f = Firn::start("unwind", FAST);
+    // Plain `gcc -O2`: the distribution's default flags, no frame pointers.
+    let chain = compile_plain("gcc", "chain.c", "chain-gcc", &["-O2", "-g"]);
+    let objdump = Command::new("objdump")
+        .arg("-d")
+        .arg(&chain)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&objdump.stdout);
+    let body = text.split("<chain_b>:").nth(1).unwrap_or_default();
+    assert!(
+        !body
+            .lines()
+            .take(3)
+            .any(|l| l.contains("push") && l.contains("%rbp")),
+        "the gcc build set up a frame pointer; the test would prove nothing"
+    );
+    let mut c = start_workload(&chain, &["120"]);
+    let mut g = start_workload(&go_workload("gospin"), &["120"]);
+    let mut r = start_workload(&bin("firn-spin"), &["120"]);
+    let mut p = python_loop(f.dir.path());
+    let pids = [c.pid(), g.pid(), r.pid(), p.pid()];
+
+    for needle in ["chain-gcc", "gospin", "firn-spin", "python3"] {
+        wait_table(&f, needle);
+    }
+    let before: Vec<Vec<PathBuf>> = pids.iter().map(|&pid| f.profiles_of(pid)).collect();
+    std::thread::sleep(10 * SECS);
+    let files: Vec<Vec<PathBuf>> = pids
+        .iter()
+        .zip(&before)
+        .map(|(&pid, b)| {
+            let t0 = Instant::now();
+            loop {
+                let n = new_files(&f, pid, b);
+                if n.len() >= 5 || t0.elapsed() > 20 * SECS {
+                    return n;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+        .collect();
+    for w in [&mut c, &mut g, &mut r, &mut p] {
+        w.stop();
+    }
+
+    let any = |_: &[String]| true;
+    // C without frame pointers: the whole chain to main.
+    let t = traces(&files[0]);
+    let (s, n) = share(
+        &t,
+        |fr| fr.iter().any(|x| x == "chain_leaf"),
+        |fr| has_chain(fr, &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"]),
+    );
+    eprintln!("gcc -O2 chain: {:.1} % of {n} samples whole", s * 100.0);
+    assert!(n >= 50 && s >= 0.95, "C chain {s:.3} of {n}:\n{t:#?}");
+    let (to_main, _) = share(&t, any, |fr| fr.iter().any(|x| x == "main"));
+    assert!(to_main >= 0.95, "C samples reaching main: {to_main:.3}");
+
+    // Go: the frameless leaf keeps its caller.
+    let t = traces(&files[1]);
+    let (s, n) = share(
+        &t,
+        |fr| fr.iter().any(|x| x == "main.spinLeaf"),
+        |fr| has_chain(fr, &["main.spinLeaf", "main.spinOuter", "main.main"]),
+    );
+    eprintln!(
+        "Go leaf -> caller -> grandparent: {:.1} % of {n}",
+        s * 100.0
+    );
+    assert!(n >= 50 && s >= 0.95, "Go {s:.3} of {n}:\n{t:#?}");
+
+    // Rust release build (no frame pointers).
+    let t = traces(&files[2]);
+    let (s, n) = share(
+        &t,
+        |fr| fr.iter().any(|x| x.ends_with("spin_leaf")),
+        |fr| {
+            let i = fr.iter().position(|x| x.ends_with("spin_leaf"));
+            i.is_some_and(|i| {
+                fr.get(i + 1).is_some_and(|x| x.ends_with("spin_mid"))
+                    && fr.get(i + 2).is_some_and(|x| x.ends_with("spin_top"))
+                    && fr[i..].iter().any(|x| x == "main")
+            })
+        },
+    );
+    eprintln!("Rust release: {:.1} % of {n} whole", s * 100.0);
+    assert!(n >= 50 && s >= 0.95, "Rust {s:.3} of {n}:\n{t:#?}");
+
+    // The distribution's python3 reaches Py_RunMain.
+    let t = traces(&files[3]);
+    let (s, n) = share(&t, any, |fr| fr.iter().any(|x| x == "Py_RunMain"));
+    eprintln!("python3 reaching Py_RunMain: {:.1} % of {n}", s * 100.0);
+    assert!(n >= 50 && s >= 0.90, "python3 {s:.3} of {n}:\n{t:#?}");
+
+    // The BPF program counted frames walked with rows.
+    let rows = f
+        .metric("firn_sampler_bpf_unwind_table_frames")
+        .unwrap_or(0.0);
+    assert!(rows > 0.0, "no frame was walked with a table row");
+    assert!(
+        f.metric("firn_enricher_unwind_tables_sent_total")
+            .unwrap_or(0.0)
+            >= 4.0
+    );
+}
+
+#[test]
+fn a_refused_table_keeps_frame_pointer_stacks() {
+    if !can_run_bpf() {
+        return;
+    }
+    // Every table is over this limit: all refused, every stack walked by frame pointers.
+    let f = Firn::start(
+        "unwind-refused",
+        &[
+            "--frequency",
+            "99",
+            "--round",
+            "1",
+            "--unwind-table-rows",
+            "8",
+        ],
+    );
+    let mut w = start_workload(&workload("busy"), &["60"]);
+    let pid = w.pid();
+    let t0 = Instant::now();
+    while f
+        .metric("firn_sampler_unwind_tables_refused_budget")
+        .unwrap_or(0.0)
+        < 1.0
+    {
+        assert!(t0.elapsed() < 30 * SECS, "no refusal counted");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        f.metric("firn_enricher_unwind_tables_refused_total")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    let before = f.profiles_of(pid);
+    std::thread::sleep(5 * SECS);
+    let files = new_files(&f, pid, &before);
+    w.stop();
+    let t = traces(&files);
+    let (s, n) = share(
+        &t,
+        |fr| fr.iter().any(|x| x == "hot_leaf"),
+        |fr| has_chain(fr, &["hot_leaf", "middle", "outer"]),
+    );
+    eprintln!(
+        "refused table, frame pointers: {:.1} % of {n} whole",
+        s * 100.0
+    );
+    assert!(n >= 50 && s >= 0.90, "{s:.3} of {n}:\n{t:#?}");
+    assert!(
+        f.sampler
+            .lines()
+            .iter()
+            .any(|l| l.contains("unwind table refused")),
+        "the refusal was not logged"
+    );
+}
