@@ -50,6 +50,31 @@ def parse_fdinfo_bpf(text):
     return int(ns.group(1)), int(cnt.group(1))
 
 
+def parse_fdinfo_map(text):
+    """(map_type, max_entries, memlock bytes) of a BPF map fd's fdinfo; None otherwise."""
+    if "map_type" not in text or "prog_type" in text:
+        return None
+    t = re.search(r"map_type:\s+(\d+)", text)
+    n = re.search(r"max_entries:\s+(\d+)", text)
+    m = re.search(r"memlock:\s+(\d+)", text)
+    if not t or not m:
+        return None
+    return int(t.group(1)), int(n.group(1)) if n else 0, int(m.group(1))
+
+
+def parse_table_log(text):
+    """path → rows of each unwind table the sampler logged as loaded (last one wins)."""
+    out = {}
+    for line in text.splitlines():
+        if "unwind table loaded" not in line:
+            continue
+        path = re.search(r"path=(\S+)", line)
+        rows = re.search(r"rows=(\d+)", line)
+        if path and rows:
+            out[path.group(1)] = int(rows.group(1))
+    return out
+
+
 def parse_prometheus(text):
     """name → value of a Prometheus text exposition without labels (firn's /metrics)."""
     out = {}

@@ -98,6 +98,40 @@ def build_all(skip_cargo):
     return out
 
 
+def build_nofp(out):
+    """busy.c as a distribution builds it: gcc -O2, no frame pointers (same comm)."""
+    d = out / "nofp"
+    d.mkdir(exist_ok=True)
+    exe = d / COMM
+    subprocess.run(["gcc", "-O2", "-g", "-pthread", "-o", str(exe), str(ROOT / "tests/workloads/busy.c")],
+                   check=True)
+    return exe
+
+
+def kernel_memory_table(kmem):
+    """The sampler's BPF map memory by map type, and the unwind tables per binary."""
+    names = {1: "hash", 2: "array", 6: "percpu array", 7: "stack trace", 9: "LRU hash",
+             27: "ring buffer"}
+    lines = ["| BPF maps (type: count) | kernel memory (memlock) |", "|---|---|"]
+    total = 0
+    for t, maps in sorted(kmem["maps_by_type"].items(), key=lambda kv: int(kv[0])):
+        b = sum(m[1] for m in maps)
+        total += b
+        lines.append(f"| {names.get(int(t), t)}: {len(maps)} | {b / 2**20:.1f} MiB |")
+    lines.append(f"| **all maps** | **{total / 2**20:.1f} MiB** |")
+    tables = sorted(kmem["tables"].items(), key=lambda kv: -kv[1])
+    rows = sum(r for _, r in tables)
+    lines += ["", f"Unwind tables loaded: {len(tables)} binaries, {rows:,} rows, "
+              f"{rows * 8 / 2**20:.1f} MiB of the row pool (8 bytes a row).", "",
+              "| binary | rows | KiB |", "|---|---|---|"]
+    for path, r in tables[:15]:
+        lines.append(f"| `{path}` | {r:,} | {r * 8 / 1024:.0f} |")
+    if len(tables) > 15:
+        rest = sum(r for _, r in tables[15:])
+        lines.append(f"| {len(tables) - 15} others | {rest:,} | {rest * 8 / 1024:.0f} |")
+    return "\n".join(lines)
+
+
 def many_binaries(out, n):
     """n distinct executables (distinct build ids) of the churn child."""
     d = out / "many"
@@ -145,7 +179,7 @@ def one_run(kind, prof, hz, exe, seconds):
         b0 = bpf_stats(pids)
     t0 = time.time()
     wpid = None
-    if kind == "overhead":
+    if kind in ("overhead", "unwind"):
         w, wpid = start_workload(exe, seconds)
         r["throughput"] = finish_workload(w)
     else:
@@ -164,7 +198,8 @@ def one_run(kind, prof, hz, exe, seconds):
         r["bpf_runs"] = b1[1] - b0[1]
         r.update(prof.stop(wpid))
         r["cpu_total_per_s"] = r["cpu_total"] / r["life_seconds"]
-        r["expected"] = bl.expected_samples(hz, seconds, os.cpu_count()) if kind == "overhead" else 0
+        r["expected"] = (bl.expected_samples(hz, seconds, os.cpu_count())
+                         if kind in ("overhead", "unwind") else 0)
     r["wall"] = wall
     return r
 
@@ -335,6 +370,14 @@ def write_report(res, update):
         sections["bench-overhead"] = head + "\n\n" + table(res["overhead"], "overhead")
     if "idle" in res:
         sections["bench-idle"] = head + "\n\n" + table(res["idle"], "idle")
+    if "unwind" in res:
+        body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "
+                "unwinds it from tables, bpftrace walks frame pointers (and gets the leaf only).\n\n"
+                + table(res["unwind"], "overhead"))
+        if res.get("unwind_memory"):
+            body += ("\n\nKernel memory of firn's maps at the end of its last 99 Hz run (every "
+                     "process on the machine profiled):\n\n" + kernel_memory_table(res["unwind_memory"]))
+        sections["bench-unwind"] = body
     if "scale" in res:
         s = res["scale"]
         lines = [head, "", "| scenario | result |", "|---|---|"]
@@ -398,7 +441,7 @@ def main():
     ap.add_argument("--profilers", default="firn,perf,bpftrace,bcc")
     ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
     ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
-    ap.add_argument("--parts", default="overhead,idle,scale", help="overhead,idle,scale")
+    ap.add_argument("--parts", default="overhead,idle,unwind,scale", help="overhead,idle,unwind,scale")
     ap.add_argument("--churn-seconds", type=int, default=300)
     ap.add_argument("--churn-rate", type=int, default=50,
                     help="processes per second in the churn storm (50: ~1 CPU of 20 ms processes on 2 CPUs)")
@@ -447,6 +490,15 @@ def main():
                           args.round)
             res["idle_runs"] = runs
             res["idle"] = summarize(runs, "idle")
+        if "unwind" in parts:
+            nofp = build_nofp(out)
+            peers = [p for p in profilers if p in ("firn", "bpftrace")]
+            runs = matrix(freqs, peers, "unwind", args.pairs, nofp, args.seconds, args.round)
+            res["unwind_runs"] = runs
+            res["unwind"] = summarize(runs, "overhead")
+            kmem = [r["kernel_memory"] for r in runs
+                    if r["profiler"] == "firn" and r["hz"] == 99 and "kernel_memory" in r]
+            res["unwind_memory"] = kmem[-1] if kmem else None
         if "scale" in parts:
             hz = 99
             s = res["scale"] = {}

@@ -162,10 +162,29 @@ class Firn:
             for line in lines:
                 yield json.loads(line)
 
+    def kernel_memory(self):
+        """Kernel memory of the sampler's BPF maps (memlock, by map type) and the unwind
+        tables it loaded, per binary (from its log)."""
+        by_type = {}
+        try:
+            fds = os.listdir(f"/proc/{self.sampler.pid}/fdinfo")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                r = bl.parse_fdinfo_map(open(f"/proc/{self.sampler.pid}/fdinfo/{fd}").read())
+            except OSError:
+                continue
+            if r:
+                by_type.setdefault(r[0], []).append((r[1], r[2]))
+        return {"maps_by_type": by_type,
+                "tables": bl.parse_table_log(_read(os.path.join(self.tmp, "sampler.log")))}
+
     def stop(self, workload_pid=None, settle=True):
         if settle:
             time.sleep(self.rnd + 2)  # the round holding the workload's end
         m = self.metrics()
+        kmem = self.kernel_memory()
         ecpu, erss = stop_measured(self.enricher, signal.SIGTERM)
         scpu, srss = stop_measured(self.sampler, signal.SIGTERM)
         life = time.time() - self.t0
@@ -183,7 +202,9 @@ class Firn:
         return {"cpu_total": scpu + ecpu, "cpu_total_sampler": scpu, "cpu_total_enricher": ecpu,
                 "life_seconds": life, "rss_peak_kib": srss + erss, "rss_peak_sampler_kib": srss,
                 "rss_peak_enricher_kib": erss, "captured": captured, "total_samples": total, "lost": lost,
-                "metrics": {k: v for k, v in m.items() if "symbol" in k or "binar" in k or "process" in k}}
+                "kernel_memory": kmem,
+                "metrics": {k: v for k, v in m.items()
+                            if any(w in k for w in ("symbol", "binar", "process", "unwind"))}}
 
 
 class Perf:

@@ -60,6 +60,16 @@ class Stats(unittest.TestCase):
 
 
 class Parsers(unittest.TestCase):
+    def test_fdinfo_map_and_table_log(self):
+        text = ("pos:\t0\nflags:\t02000002\nmap_type:\t2\nkey_size:\t4\nvalue_size:\t8\n"
+                "max_entries:\t4194304\nmap_flags:\t0x0\nmemlock:\t33558528\nmap_id:\t72\n")
+        self.assertEqual(b.parse_fdinfo_map(text), (2, 4194304, 33558528))
+        self.assertIsNone(b.parse_fdinfo_map("prog_type:\t7\nrun_time_ns:\t1\n"))
+        log = ("x INFO firn_sampler::server: unwind table loaded subscriber=1 path=/usr/lib/libc.so.6 rows=28274\n"
+               "y INFO other line\n"
+               "z INFO firn_sampler::server: unwind table loaded subscriber=1 path=/tmp/a rows=31\n")
+        self.assertEqual(b.parse_table_log(log), {"/usr/lib/libc.so.6": 28274, "/tmp/a": 31})
+
     def test_busy(self):
         self.assertEqual(b.parse_busy("ready 12\niterations_per_second 812.5\ncpu_seconds 59.9\n"),
                          (812.5, 59.9))
@@ -99,3 +109,4 @@ class Parsers(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
