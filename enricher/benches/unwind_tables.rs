@@ -8,7 +8,11 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
 fn inputs() -> Vec<(String, Vec<u8>)> {
     let big = std::env::var("FIRN_BENCH_BIG_BINARY").unwrap_or_else(|_| {
-        concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/firn-enricher").to_string()
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../target/release/firn-enricher"
+        )
+        .to_string()
     });
     let mut out = Vec::new();
     for path in ["/lib/x86_64-linux-gnu/libc.so.6".to_string(), big] {

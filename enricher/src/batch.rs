@@ -103,7 +103,7 @@ fn bytes(d: capnp::data::Reader<'_>, what: &'static str) -> Result<String, Decod
 fn unwind_marker(e: Result<UnwindEnd, capnp::NotInSchema>) -> Option<&'static str> {
     match e {
         Ok(UnwindEnd::NoMapping) => {
-            Some("[unwind stopped: code outside file mappings (JIT, anonymous, vDSO)]")
+            Some("[unwind stopped: code outside file mappings: JIT, anonymous or vDSO]")
         }
         Ok(UnwindEnd::Unsupported) => Some("[unwind stopped: unsupported CFA rule]"),
         Ok(UnwindEnd::ReadFault) => Some("[unwind stopped: stack memory unreadable]"),

@@ -131,6 +131,13 @@ impl Enricher {
     async fn send_tables(&mut self, batch: &Batch, broker: Option<&Broker>) {
         let Some(broker) = broker else { return };
         let round = batch.round;
+        if let Some(&(_, n)) = batch
+            .counters
+            .iter()
+            .find(|(k, _)| k == "unwind_tables_evicted")
+        {
+            broker.tables.borrow_mut().note_evictions(n);
+        }
         let mut wanted: Vec<(u64, usize, (u64, u64))> = Vec::new();
         {
             let sent = broker.tables.borrow();
@@ -230,7 +237,8 @@ impl Enricher {
                     T::RateLimited | T::OutOfOrder | T::UnknownProcess | T::UnknownMapping => {
                         State::Retry(round + 1)
                     }
-                    T::NoRoom => State::Retry(round + RETRY_ROUNDS),
+                    // Room may be made, and another subscription's tables go with it.
+                    T::NoRoom | T::NotOwner => State::Retry(round + RETRY_ROUNDS),
                     _ => State::Given,
                 }
             }

@@ -15,6 +15,13 @@ pub enum PreflightError {
          program needs a kernel built with CONFIG_DEBUG_INFO_BTF=y"
     )]
     NoBtf,
+    #[error(
+        "kernel {release} is older than 5.17; firn's BPF program needs bpf_loop (5.17, the \
+         bounded unwinding loop), bpf_task_pt_regs (5.15, user registers of a sample taken \
+         in the kernel), ring buffers (5.8) and hash maps written from a perf event \
+         without preallocation (bpf_mem_alloc, 6.1 for best results)"
+    )]
+    OldKernel { release: String },
     #[error("reading capabilities: {0}")]
     Caps(#[from] caps::errors::CapsError),
 }
@@ -67,5 +74,32 @@ pub fn check(switch_user: bool) -> Result<(), PreflightError> {
     if !std::path::Path::new("/sys/kernel/btf/vmlinux").exists() {
         return Err(PreflightError::NoBtf);
     }
+    let release = nix::sys::utsname::uname()
+        .map(|u| u.release().to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if kernel_version(&release).is_some_and(|v| v < (5, 17)) {
+        return Err(PreflightError::OldKernel { release });
+    }
     Ok(())
+}
+
+/// (major, minor) of a kernel release string such as `6.18.44-fc-v657`.
+fn kernel_version(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_versions() {
+        use super::kernel_version as v;
+        assert_eq!(v("6.18.44-fc-v657"), Some((6, 18)));
+        assert_eq!(v("5.15.0-91-generic"), Some((5, 15)));
+        assert_eq!(v("4.19.0"), Some((4, 19)));
+        assert!(v("4.19.0") < Some((5, 17)));
+        assert_eq!(v("garbage"), None);
+    }
 }

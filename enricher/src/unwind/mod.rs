@@ -26,6 +26,8 @@ pub enum State {
 #[derive(Debug, Default)]
 pub struct Sent {
     by_file: HashMap<(u64, u64), State>,
+    /// The sampler's `unwind_tables_evicted` when last seen.
+    evicted: u64,
 }
 
 impl Sent {
@@ -40,6 +42,15 @@ impl Sent {
 
     pub fn set(&mut self, file: (u64, u64), s: State) {
         self.by_file.insert(file, s);
+    }
+
+    /// The sampler evicted tables (to make room) since last seen: which ones it does not
+    /// say, so every loaded file is sent again when a sampled process maps it.
+    pub fn note_evictions(&mut self, evicted: u64) {
+        if evicted > self.evicted {
+            self.by_file.retain(|_, s| *s != State::Loaded);
+        }
+        self.evicted = evicted;
     }
 
     pub fn loaded(&self) -> usize {
@@ -76,4 +87,26 @@ pub fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
     crate::symbolize::contained(|| build(&map))
         .ok_or(LoadError::Panicked)?
         .map_err(LoadError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_are_sent_once_retried_when_due_and_again_after_evictions() {
+        let mut s = Sent::default();
+        let (a, b) = ((1, 10), (1, 11));
+        assert!(s.wants(a, 1));
+        s.set(a, State::Loaded);
+        s.set(b, State::Retry(5));
+        assert!(!s.wants(a, 2));
+        assert!(!s.wants(b, 4) && s.wants(b, 5));
+        s.note_evictions(0);
+        assert!(!s.wants(a, 3), "no eviction yet");
+        s.note_evictions(2);
+        assert!(s.wants(a, 3), "evicted somewhere: sent again");
+        assert!(!s.wants(b, 4), "retries keep their round");
+        assert_eq!(s.loaded(), 0);
+    }
 }
