@@ -51,15 +51,17 @@ def parse_fdinfo_bpf(text):
 
 
 def parse_fdinfo_map(text):
-    """(map_type, max_entries, memlock bytes) of a BPF map fd's fdinfo; None otherwise."""
+    """(map_type, max_entries, memlock bytes, map_id) of a BPF map fd's fdinfo; None
+    otherwise. A process may hold several fds of one map: count each map_id once."""
     if "map_type" not in text or "prog_type" in text:
         return None
     t = re.search(r"map_type:\s+(\d+)", text)
     n = re.search(r"max_entries:\s+(\d+)", text)
     m = re.search(r"memlock:\s+(\d+)", text)
+    i = re.search(r"map_id:\s+(\d+)", text)
     if not t or not m:
         return None
-    return int(t.group(1)), int(n.group(1)) if n else 0, int(m.group(1))
+    return int(t.group(1)), int(n.group(1)) if n else 0, int(m.group(1)), int(i.group(1)) if i else -1
 
 
 def parse_table_log(text):

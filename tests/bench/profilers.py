@@ -165,7 +165,7 @@ class Firn:
     def kernel_memory(self):
         """Kernel memory of the sampler's BPF maps (memlock, by map type) and the unwind
         tables it loaded, per binary (from its log)."""
-        by_type = {}
+        by_type, seen = {}, set()
         try:
             fds = os.listdir(f"/proc/{self.sampler.pid}/fdinfo")
         except OSError:
@@ -175,7 +175,8 @@ class Firn:
                 r = bl.parse_fdinfo_map(open(f"/proc/{self.sampler.pid}/fdinfo/{fd}").read())
             except OSError:
                 continue
-            if r:
+            if r and r[3] not in seen:
+                seen.add(r[3])
                 by_type.setdefault(r[0], []).append((r[1], r[2]))
         return {"maps_by_type": by_type,
                 "tables": bl.parse_table_log(_read(os.path.join(self.tmp, "sampler.log")))}

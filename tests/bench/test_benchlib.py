@@ -63,7 +63,7 @@ class Parsers(unittest.TestCase):
     def test_fdinfo_map_and_table_log(self):
         text = ("pos:\t0\nflags:\t02000002\nmap_type:\t2\nkey_size:\t4\nvalue_size:\t8\n"
                 "max_entries:\t4194304\nmap_flags:\t0x0\nmemlock:\t33558528\nmap_id:\t72\n")
-        self.assertEqual(b.parse_fdinfo_map(text), (2, 4194304, 33558528))
+        self.assertEqual(b.parse_fdinfo_map(text), (2, 4194304, 33558528, 72))
         self.assertIsNone(b.parse_fdinfo_map("prog_type:\t7\nrun_time_ns:\t1\n"))
         log = ("x INFO firn_sampler::server: unwind table loaded subscriber=1 path=/usr/lib/libc.so.6 rows=28274\n"
                "y INFO other line\n"

@@ -233,6 +233,14 @@ struct firn_unwind_state {
 	__u32 end;
 	__u8 bp_known;
 	__u8 exact_pc;             /* pc is where execution stopped, not a return address */
+	/* The mapping of the last frame and its table: consecutive frames are mostly in
+	 * one binary, so most frames skip two hash lookups and the mapping search. */
+	__u8 cached;               /* 0: nothing cached; 1: table; 2: mapping without table */
+	__u64 c_start;
+	__u64 c_end;
+	__u64 c_offset;
+	__u32 c_first;
+	__u32 c_count;
 };
 
 struct {
@@ -252,13 +260,22 @@ static __always_inline __u64 mix(__u64 h, __u64 v)
 /* The row for `pc` of the current process, or why there is none (a firn_unwind_end). */
 static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
 {
-	struct firn_proc_maps *pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
+	struct firn_proc_maps *pm;
 	struct firn_file_key file;
 	struct firn_table *t;
 	struct firn_unwind_row *r;
 	__u32 lo = 0, hi, mid, idx, first, count, j;
 	__u64 off;
 
+	if (st->cached && pc >= st->c_start && pc < st->c_end) {
+		if (st->cached != 1)
+			return FIRN_END_NO_TABLE;
+		off = pc - st->c_start + st->c_offset;
+		first = st->c_first;
+		count = st->c_count;
+		goto rows;
+	}
+	pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
 	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
 		return FIRN_END_NO_PROCESS;
 	hi = pm->count;
@@ -280,14 +297,23 @@ static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, st
 	if (idx >= FIRN_MAX_MAPPINGS || pc >= pm->m[idx].end)
 		return FIRN_END_NO_MAPPING;
 	off = pc - pm->m[idx].start + pm->m[idx].offset;
+	st->c_start = pm->m[idx].start;
+	st->c_end = pm->m[idx].end;
+	st->c_offset = pm->m[idx].offset;
 	file = pm->m[idx].file;
 	t = bpf_map_lookup_elem(&tables, &file);
-	if (!t)
+	if (!t) {
+		st->cached = 2;
 		return FIRN_END_NO_TABLE;
-	if (off > 0xffffffffULL)
-		return FIRN_END_NOT_IN_TABLE;
+	}
 	first = t->first;
 	count = t->count;
+	st->c_first = first;
+	st->c_count = count;
+	st->cached = 1;
+rows:
+	if (off > 0xffffffffULL)
+		return FIRN_END_NOT_IN_TABLE;
 	/* Last row at or below off; the sampler keeps count < 2^24. */
 	lo = 0;
 	hi = count;
@@ -453,6 +479,7 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 	st->start_ns = key->start_ns;
 	st->exec_id = key->exec_id;
 	st->len = 0;
+	st->cached = 0;
 	st->end = FIRN_END_COMPLETE;
 	st->bp_known = 1;
 	st->exact_pc = 1;
