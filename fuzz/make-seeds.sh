@@ -26,7 +26,10 @@ kill "$enricher"; wait "$enricher" || true
 
 s=fuzz/seeds
 rm -f $s/*/seed-*
-cp "$tmp/cap/conn-1.c2s" $s/sampler_connection/seed-enricher-session
+# The session now carries unwind table chunks (up to 256 KiB each): its first 320 KiB
+# hold the handshake, subscription, broker requests and at least one whole chunk, and
+# keep each fuzzing run fast.
+head -c 327680 "$tmp/cap/conn-1.c2s" > $s/sampler_connection/seed-enricher-session
 [ -f "$tmp/cap/conn-2.c2s" ] && cp "$tmp/cap/conn-2.c2s" $s/sampler_connection/seed-broker-channel
 target/release/examples/extract_batches "$tmp/cap/conn-1.s2c" "$tmp/batches"
 # A few batches of different sizes are enough: libFuzzer mutates from there.
