@@ -19,6 +19,8 @@ const RETRY_ROUNDS: u64 = 6;
 /// Unwind tables built and sent per round at most (a busy node's binaries arrive over a
 /// few rounds rather than stalling one).
 const MAX_TABLES_PER_ROUND: usize = 24;
+/// Time spent building and sending tables per round at most (past it, the rest waits).
+const TABLE_TIME_PER_ROUND: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// The symbolized content of one round.
 pub struct Round {
@@ -138,18 +140,22 @@ impl Enricher {
         {
             broker.tables.borrow_mut().note_evictions(n);
         }
+        // The busiest processes first: their stacks are most of the profile, and a node
+        // busy with many binaries gets their tables over a few rounds.
+        let mut weight: HashMap<u64, u64> = HashMap::new();
+        for s in &batch.samples {
+            *weight.entry(s.process_id).or_default() += s.count;
+        }
+        let mut order: Vec<(u64, u64)> = weight.into_iter().collect();
+        order.sort_unstable_by_key(|&(id, w)| (std::cmp::Reverse(w), id));
         let mut wanted: Vec<(u64, usize, (u64, u64))> = Vec::new();
         {
             let sent = broker.tables.borrow();
-            let mut seen = std::collections::HashSet::new();
-            for s in &batch.samples {
+            for (process_id, _) in order {
                 if wanted.len() >= MAX_TABLES_PER_ROUND {
                     break;
                 }
-                if !seen.insert(s.process_id) {
-                    continue;
-                }
-                let Some(e) = self.processes.get(s.process_id) else {
+                let Some(e) = self.processes.get(process_id) else {
                     continue;
                 };
                 for (idx, m) in e.record.mappings.iter().enumerate() {
@@ -158,12 +164,17 @@ impl Enricher {
                         && !wanted.iter().any(|w| w.2 == file)
                         && wanted.len() < MAX_TABLES_PER_ROUND
                     {
-                        wanted.push((s.process_id, idx, file));
+                        wanted.push((process_id, idx, file));
                     }
                 }
             }
         }
+        let t0 = std::time::Instant::now();
         for (pid_id, idx, file) in wanted {
+            if t0.elapsed() > TABLE_TIME_PER_ROUND {
+                // The rest next round: a round is not held up by a node's big binaries.
+                break;
+            }
             let Some(e) = self.processes.get(pid_id) else {
                 continue;
             };

@@ -297,6 +297,32 @@ enum Chunk {
 }
 
 impl SubscriptionImpl {
+    /// Unreadable parameters: counted, and the connection closes.
+    fn malformed(&self) {
+        bump(&self.shared.counters.bad_requests);
+        self.conn.close_soon();
+    }
+
+    /// A process id above any sent to this subscriber is a guess (another session's id,
+    /// or a scan), not a race with a forgotten process: counted, and the connection
+    /// closes.
+    fn check_issued(&self, process_id: u64, method: &str) -> Result<(), capnp::Error> {
+        if process_id <= self.sub.max_sent.get() {
+            return Ok(());
+        }
+        bump(&self.shared.counters.broker_requests_never_issued);
+        tracing::warn!(
+            subscriber = self.sub.id,
+            process_id,
+            method,
+            "request for a process never sent to this subscriber; closing"
+        );
+        self.conn.close_soon();
+        Err(capnp::Error::failed(format!(
+            "{method} for a process this subscription was never sent"
+        )))
+    }
+
     fn table_chunk(&self, p: &subscription::load_unwind_table_params::Reader<'_>) -> Chunk {
         use crate::unwind::{FileKey, TableError};
         let c = &self.shared.counters;
@@ -387,22 +413,8 @@ impl subscription::Server for SubscriptionImpl {
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let r = (|| {
             admit(&self.conn, &self.shared, false)?;
-            let p = params.get().inspect_err(|_| {
-                bump(&self.shared.counters.bad_requests);
-                self.conn.close_soon();
-            })?;
-            if p.get_process_id() > self.sub.max_sent.get() {
-                bump(&self.shared.counters.broker_requests_never_issued);
-                tracing::warn!(
-                    subscriber = self.sub.id,
-                    process_id = p.get_process_id(),
-                    "unwind table for a process never sent to this subscriber; closing"
-                );
-                self.conn.close_soon();
-                return Err(capnp::Error::failed(
-                    "loadUnwindTable for a process this subscription was never sent".into(),
-                ));
-            }
+            let p = params.get().inspect_err(|_| self.malformed())?;
+            self.check_issued(p.get_process_id(), "loadUnwindTable")?;
             match self.table_chunk(&p) {
                 Chunk::Taken => {
                     results.get().init_result().set_done(());
@@ -436,24 +448,8 @@ impl subscription::Server for SubscriptionImpl {
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let r = (|| {
             admit(&self.conn, &self.shared, false)?;
-            let p = params.get().inspect_err(|_| {
-                bump(&self.shared.counters.bad_requests);
-                self.conn.close_soon();
-            })?;
-            if p.get_process_id() > self.sub.max_sent.get() {
-                // Never sent to this subscriber: a guess (another session's id, or a
-                // scan), not a race with a forgotten process.
-                bump(&self.shared.counters.broker_requests_never_issued);
-                tracing::warn!(
-                    subscriber = self.sub.id,
-                    process_id = p.get_process_id(),
-                    "broker request for a process never sent to this subscriber; closing"
-                );
-                self.conn.close_soon();
-                return Err(capnp::Error::failed(
-                    "openMapping for a process this subscription was never sent".into(),
-                ));
-            }
+            let p = params.get().inspect_err(|_| self.malformed())?;
+            self.check_issued(p.get_process_id(), "openMapping")?;
             let outcome = self.open(
                 p.get_process_id(),
                 p.get_mapping_index(),

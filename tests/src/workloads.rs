@@ -103,42 +103,23 @@ pub fn go_workload(name: &str) -> PathBuf {
 
 /// Compiles a C/C++ source with clang (frame pointers), with extra flags, once.
 pub fn compile(src_name: &str, out_name: &str, flags: &[&str]) -> PathBuf {
-    let src = repo_root().join("tests/workloads").join(src_name);
-    let out_dir = repo_root().join("target/workloads");
-    std::fs::create_dir_all(&out_dir).unwrap();
-    let out = out_dir.join(out_name);
-    let fresh = match (std::fs::metadata(&src), std::fs::metadata(&out)) {
-        (Ok(s), Ok(o)) => o.modified().ok() >= s.modified().ok(),
-        _ => false,
+    let cc = if src_name.ends_with(".cpp") {
+        "clang++"
+    } else {
+        "clang"
     };
-    if !fresh {
-        let cc = if src_name.ends_with(".cpp") {
-            "clang++"
-        } else {
-            "clang"
-        };
-        let tmp = out_dir.join(format!("{out_name}.tmp{}", std::process::id()));
-        let status = Command::new(cc)
-            .args([
-                "-O2",
-                "-g",
-                "-fno-omit-frame-pointer",
-                "-mno-omit-leaf-frame-pointer",
-            ])
-            .args(flags)
-            .arg("-o")
-            .arg(&tmp)
-            .arg(&src)
-            .status()
-            .expect("clang must be installed");
-        assert!(status.success(), "compiling {}", src.display());
-        std::fs::rename(&tmp, &out).unwrap();
-    }
-    out
+    let mut all = vec![
+        "-O2",
+        "-g",
+        "-fno-omit-frame-pointer",
+        "-mno-omit-leaf-frame-pointer",
+    ];
+    all.extend_from_slice(flags);
+    compile_plain(cc, src_name, out_name, &all)
 }
 
 /// Compiles `tests/workloads/SRC` with `cc` and exactly `flags` (no frame-pointer
-/// flags added: the distribution's defaults), once.
+/// flags added: the distribution's defaults), once: again only when the source is newer.
 pub fn compile_plain(cc: &str, src_name: &str, out_name: &str, flags: &[&str]) -> PathBuf {
     let src = repo_root().join("tests/workloads").join(src_name);
     let out_dir = repo_root().join("target/workloads");

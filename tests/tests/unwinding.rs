@@ -14,7 +14,9 @@ const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
 /// Waits until the sampler logged the table of a file whose path contains `needle`.
 fn wait_table(f: &Firn, needle: &str) {
     let t0 = Instant::now();
-    while t0.elapsed() < 60 * SECS {
+    // Generous: under CI the fuzz build runs meanwhile, and the enricher first meets
+    // rustc's and LLVM's large binaries.
+    while t0.elapsed() < 180 * SECS {
         if f.sampler
             .lines()
             .iter()
@@ -46,12 +48,12 @@ fn files_since(f: &Firn, pid: u32, since_ns: u64) -> Vec<PathBuf> {
     files
 }
 
-/// Waits for at least `n` such files (or 30 s).
+/// Waits for at least `n` such files (or 60 s).
 fn wait_files_since(f: &Firn, pid: u32, since_ns: u64, n: usize) -> Vec<PathBuf> {
     let t0 = Instant::now();
     loop {
         let files = files_since(f, pid, since_ns);
-        if files.len() >= n || t0.elapsed() > 30 * SECS {
+        if files.len() >= n || t0.elapsed() > 60 * SECS {
             return files;
         }
         std::thread::sleep(Duration::from_millis(200));
