@@ -1,6 +1,7 @@
 //! The enricher's per-round path, per stage: decode (the batch message through the
-//! reader limits and validation), symbolize (cold and cached), aggregate into pprof +
-//! gzip encode, at 1k / 10k / 100k unique stacks.
+//! reader limits and validation), symbolize (cold with DWARF, cold from the symbol
+//! tables only as over `--symbol-debuginfo-budget`, and from the frame cache),
+//! aggregate into pprof + gzip encode, at 1k / 10k / 100k unique stacks.
 //!
 //! Input: stacks made of real function addresses of a real binary (this benchmark's own
 //! executable, a few MiB of Rust with DWARF), drawn with a fixed seed, 16–40 frames deep
@@ -19,7 +20,7 @@ use blazesym::inspect::Inspector;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use firn_enricher::metrics::Metrics;
 use firn_enricher::profile::{encode_gz, Builder, Frame, MappingSpec, StackSample};
-use firn_enricher::symbolize::{BinaryId, Symbolizer};
+use firn_enricher::symbolize::{BinaryId, Limits, Symbolizer};
 
 struct Rng(u64);
 impl Rng {
@@ -112,15 +113,41 @@ fn bench(c: &mut Criterion) {
             })
         });
 
-        g.bench_function(BenchmarkId::new("symbolize", "cold"), |b| {
-            b.iter(|| {
-                let mut s = Symbolizer::new(4, metrics.clone());
-                let id = s.load(open(&exe)).expect("load");
-                s.symbolize(&id, &offsets).len()
-            })
-        });
+        // Cold: a fresh symbolizer per iteration. With DWARF (a budget that holds this
+        // binary's debug info: names, file:line, inline frames) and from the symbol
+        // tables only (a budget it exceeds: names only), as `--symbol-debuginfo-budget`
+        // decides per binary.
+        for (stage, debuginfo_bytes) in [("cold_dwarf", u64::MAX), ("cold_symtab", 0)] {
+            let limits = Limits {
+                binaries: 4,
+                debuginfo_bytes,
+                frames: offsets.len(),
+            };
+            g.bench_function(BenchmarkId::new("symbolize", stage), |b| {
+                b.iter(|| {
+                    let mut s = Symbolizer::new(limits, metrics.clone());
+                    let id = s.load(open(&exe)).expect("load");
+                    s.symbolize(&id, &offsets).len()
+                })
+            });
+            let mut s = Symbolizer::new(limits, metrics.clone());
+            let id = s.load(open(&exe)).expect("load");
+            let named = s.symbolize(&id, &offsets);
+            let lines: usize = named.iter().flatten().map(|l| l.len()).sum();
+            eprintln!(
+                "symbolize/{stage}: {} of {} offsets named, {lines} lines (inline included), DWARF held {} MiB",
+                named.iter().flatten().count(),
+                offsets.len(),
+                s.debug_bytes_held() >> 20
+            );
+        }
 
-        let mut warm = Symbolizer::new(4, metrics.clone());
+        let limits = Limits {
+            binaries: 4,
+            debuginfo_bytes: u64::MAX,
+            frames: offsets.len(),
+        };
+        let mut warm = Symbolizer::new(limits, metrics.clone());
         let id: BinaryId = warm.load(open(&exe)).expect("load");
         let resolved = warm.symbolize(&id, &offsets);
         g.bench_function(BenchmarkId::new("symbolize", "cached"), |b| {

@@ -45,6 +45,29 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub symbol_cache: u32,
 
+    /// DWARF held parsed at once, in bytes of uncompressed debug sections (a binary's
+    /// own or its separate debug file's). Parsed DWARF is most of the enricher's memory:
+    /// its RSS grows by about 1.5 times this. Past it the least recently used binary's
+    /// DWARF is dropped (frames already named stay cached). A binary whose DWARF alone
+    /// is larger, such as firn's own, is named from its symbol tables: function names
+    /// without file:line or inline frames. 0 turns DWARF off.
+    #[arg(long, env = "FIRN_SYMBOL_DEBUGINFO_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
+    pub symbol_debuginfo_budget: u64,
+
+    /// Named frames remembered over all binaries (LRU), so that a frame is symbolized
+    /// once, not every round.
+    #[arg(long, env = "FIRN_SYMBOL_FRAMES", default_value_t = 32_768,
+          value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
+    pub symbol_frames: u32,
+
+    /// Samples a process needs (in all rounds so far) before the unwind tables of its
+    /// binaries are built and sent to the sampler. Loading a table is the sampler's
+    /// most costly work; a daemon that wakes for a moment is walked by frame pointers
+    /// until it runs more. 1 sends tables for every sampled process.
+    #[arg(long, env = "FIRN_UNWIND_MIN_SAMPLES", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub unwind_min_samples: u64,
+
     /// Value of the `node` label; default: the sampler's host name.
     #[arg(long, env = "FIRN_NODE")]
     pub node: Option<String>,

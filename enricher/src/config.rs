@@ -36,6 +36,9 @@ pub struct FileConfig {
     pub min_free: Option<String>,
     pub http_address: Option<std::net::SocketAddr>,
     pub symbol_cache: Option<u32>,
+    pub symbol_debuginfo_budget: Option<String>,
+    pub symbol_frames: Option<u32>,
+    pub unwind_min_samples: Option<u64>,
     pub node: Option<String>,
     pub profile_by: Option<ProfileBy>,
     pub kubernetes: Option<bool>,
@@ -96,6 +99,7 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
     for (name, key) in [
         ("retention_size", &file.retention_size),
         ("min_free", &file.min_free),
+        ("symbol_debuginfo_budget", &file.symbol_debuginfo_budget),
     ] {
         if let Some(v) = key {
             cli::parse_bytes(v).map_err(|m| {
@@ -155,6 +159,9 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take!(output_dir);
     take!(http_address);
     take!(symbol_cache);
+    take!(symbol_frames);
+    take!(unwind_min_samples);
+    take!(symbol_debuginfo_budget, cli::parse_bytes);
     take!(profile_by);
     take!(log);
     take!(kubernetes);

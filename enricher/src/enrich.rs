@@ -10,7 +10,7 @@ use crate::labels::{Extra, Labeler};
 use crate::metrics::Metrics;
 use crate::processes::{Binary, Entry, ProcessTable};
 use crate::profile::{Frame, LabelSet, MappingSpec, StackSample};
-use crate::symbolize::{BinaryId, Lines, Symbolizer};
+use crate::symbolize::{hex, BinaryId, Lines, Symbolizer};
 
 /// Broker requests at most per round, so a burst of new binaries cannot stall a round.
 const MAX_OPENS_PER_ROUND: usize = 256;
@@ -39,10 +39,8 @@ pub struct Enricher {
     pub labeler: Labeler,
     metrics: Arc<Metrics>,
     session: u64,
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    /// Samples a process needs before its unwind tables are built and sent.
+    pub unwind_min_samples: u64,
 }
 
 fn dev_of(m: &crate::batch::Mapping) -> u64 {
@@ -57,6 +55,7 @@ impl Enricher {
             labeler,
             metrics,
             session: 0,
+            unwind_min_samples: 1,
         }
     }
 
@@ -158,6 +157,13 @@ impl Enricher {
                 let Some(e) = self.processes.get(process_id) else {
                     continue;
                 };
+                if e.samples < self.unwind_min_samples {
+                    // A process woken once for a moment: its stacks are walked by frame
+                    // pointers; tables (the sampler's most costly work) wait until it
+                    // runs more.
+                    Metrics::inc(&self.metrics.unwind_tables_deferred_few_samples);
+                    continue;
+                }
                 for (idx, m) in e.record.mappings.iter().enumerate() {
                     let file = (dev_of(m), m.inode);
                     if sent.wants(file, round)
@@ -293,7 +299,7 @@ impl Enricher {
         let records = batch.processes.clone();
         self.processes.update(records, batch.round);
         for s in &batch.samples {
-            self.processes.touch(s.process_id, batch.round);
+            self.processes.touch(s.process_id, batch.round, s.count);
         }
         self.fetch_binaries(&batch, broker).await;
         self.send_tables(&batch, broker).await;
@@ -457,6 +463,14 @@ impl Enricher {
         );
         m.binaries_cached.store(
             self.symbolizer.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        m.debuginfo_bytes_held.store(
+            self.symbolizer.debug_bytes_held(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        m.symbol_frames_cached.store(
+            self.symbolizer.frames_cached() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
         Round {

@@ -139,7 +139,12 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
             http = %format!("http://{}/", args.http_address),
             "writing profiles"
         );
-        let symbolizer = symbolize::Symbolizer::new(args.symbol_cache as usize, metrics.clone());
+        let limits = symbolize::Limits {
+            binaries: args.symbol_cache as usize,
+            debuginfo_bytes: args.symbol_debuginfo_budget,
+            frames: args.symbol_frames as usize,
+        };
+        let symbolizer = symbolize::Symbolizer::new(limits, metrics.clone());
         let mut labeler = Labeler::new(
             labeling.rules,
             labeling.external,
@@ -148,7 +153,9 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         if args.kubernetes || std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
             start_kubernetes(&args, &mut labeler, &metrics).await;
         }
-        Some((Enricher::new(symbolizer, labeler, metrics.clone()), sink))
+        let mut enricher = Enricher::new(symbolizer, labeler, metrics.clone());
+        enricher.unwind_min_samples = args.unwind_min_samples;
+        Some((enricher, sink))
     };
     let mut broker: Option<Rc<Broker>> = None;
     // The sampler counts drops per subscription, cumulatively; this is the last count.

@@ -20,6 +20,10 @@ macro_rules! metrics {
             pub binaries_cached: AtomicU64,
             /// Pods of this node known from the Kubernetes API (gauge).
             pub kubernetes_pods: AtomicU64,
+            /// DWARF bytes whose parsed state the symbolizer holds (gauge).
+            pub debuginfo_bytes_held: AtomicU64,
+            /// Named frames in the symbolizer's frame cache (gauge).
+            pub symbol_frames_cached: AtomicU64,
         }
 
         impl Metrics {
@@ -40,6 +44,8 @@ macro_rules! metrics {
                     ("processes_known", "Processes in the enricher's table.", &self.processes_known),
                     ("binaries_cached", "Binaries in the symbol cache.", &self.binaries_cached),
                     ("kubernetes_pods", "Pods of this node known from the Kubernetes API.", &self.kubernetes_pods),
+                    ("debuginfo_bytes_held", "DWARF bytes whose parsed state the symbolizer holds (bounded by --symbol-debuginfo-budget).", &self.debuginfo_bytes_held),
+                    ("symbol_frames_cached", "Named frames in the frame cache (bounded by --symbol-frames).", &self.symbol_frames_cached),
                 ] {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
                     let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
@@ -76,10 +82,14 @@ metrics! {
     frames_unsymbolized_no_mapping: "user frames outside every known mapping (kept as address)",
     frames_unsymbolized_no_binary: "user frames whose binary could not be obtained (kept as address)",
     frames_unsymbolized_no_symbol: "user frames the binary has no symbol for (kept as address)",
-    symbol_cache_hits: "frame lookups answered from the per-binary cache",
+    symbol_cache_hits: "frame lookups answered from the frame cache",
     symbol_cache_misses: "frame lookups that ran the symbolizer",
     binaries_loaded: "binaries opened for symbolization",
     binaries_evicted: "binaries evicted from the symbol cache",
+    symbol_frames_evicted: "named frames evicted from the frame cache (--symbol-frames)",
+    debuginfo_evictions: "binaries whose parsed DWARF was dropped to stay in --symbol-debuginfo-budget",
+    debuginfo_reparses: "binaries whose DWARF was parsed again after being dropped for room",
+    binaries_over_debuginfo_budget: "binaries whose DWARF alone exceeds --symbol-debuginfo-budget (named from symbol tables only)",
     binary_load_errors: "binaries whose ELF could not be read",
     symbolizer_panics: "binaries on which the symbolizer panicked (malformed; contained, frames kept as addresses)",
     broker_requests: "file descriptors requested from the sampler",
@@ -101,6 +111,7 @@ metrics! {
     unwind_table_build_errors: "binaries no unwind table could be built from (no CFI, malformed, not x86_64)",
     unwind_table_build_ns: "nanoseconds spent building unwind tables",
     unwind_tables_sent: "unwind tables the sampler took",
+    unwind_tables_deferred_few_samples: "processes whose tables waited a round for want of samples (--unwind-min-samples)",
     unwind_table_rows_sent: "unwind rows the sampler took",
     unwind_tables_refused: "unwind tables the sampler refused (see log: budget, owner, rate)",
     unwind_table_send_errors: "unwind tables whose sending failed in transport",

@@ -30,6 +30,8 @@ pub struct Entry {
     /// Mappings sorted by start, with their original index in the record.
     pub sorted: Vec<(usize, Mapping)>,
     pub binaries: Vec<Binary>,
+    /// Samples seen of this process so far (its tables are sent past a threshold).
+    pub samples: u64,
     last_round: u64,
 }
 
@@ -43,6 +45,7 @@ impl Entry {
             record: Rc::new(record),
             sorted,
             binaries,
+            samples: 0,
             last_round: round,
         }
     }
@@ -82,7 +85,11 @@ impl ProcessTable {
                 // Same process, same mappings: nothing to redo.
                 Some(e) if e.record.mappings_version >= r.mappings_version => e.last_round = round,
                 _ => {
-                    self.by_id.insert(r.process_id, Entry::new(r, round));
+                    let id = r.process_id;
+                    let samples = self.by_id.get(&id).map_or(0, |e| e.samples);
+                    let mut e = Entry::new(r, round);
+                    e.samples = samples;
+                    self.by_id.insert(id, e);
                 }
             }
         }
@@ -96,9 +103,10 @@ impl ProcessTable {
         self.by_id.get_mut(&id)
     }
 
-    pub fn touch(&mut self, id: u64, round: u64) {
+    pub fn touch(&mut self, id: u64, round: u64, samples: u64) {
         if let Some(e) = self.by_id.get_mut(&id) {
             e.last_round = round;
+            e.samples = e.samples.saturating_add(samples);
         }
     }
 

@@ -9,7 +9,7 @@ use firn_enricher::encode::{per_label_set, ProfileBy};
 use firn_enricher::enrich::Enricher;
 use firn_enricher::labels::{Labeler, System};
 use firn_enricher::metrics::Metrics;
-use firn_enricher::symbolize::Symbolizer;
+use firn_enricher::symbolize::{Limits, Symbolizer};
 use firn_schema::firn_capnp;
 use libfuzzer_sys::fuzz_target;
 
@@ -33,7 +33,7 @@ fuzz_target!(|data: &[u8]| {
         machine: "x86_64".into(),
     };
     let labeler = Labeler::new(Vec::new(), Vec::new(), system);
-    let mut enricher = Enricher::new(Symbolizer::new(8, metrics.clone()), labeler, metrics);
+    let mut enricher = Enricher::new(Symbolizer::new(Limits { binaries: 8, ..Limits::default() }, metrics.clone()), labeler, metrics);
     let round = futures::executor::block_on(enricher.handle(b, None));
     for by in [ProfileBy::Process, ProfileBy::Container] {
         for e in per_label_set(&round, by) {

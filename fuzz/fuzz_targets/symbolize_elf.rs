@@ -8,7 +8,7 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use firn_enricher::metrics::Metrics;
-use firn_enricher::symbolize::Symbolizer;
+use firn_enricher::symbolize::{Limits, Symbolizer};
 use libfuzzer_sys::fuzz_target;
 
 fn memfd(data: &[u8]) -> OwnedFd {
@@ -34,7 +34,7 @@ fuzz_target!(
         }));
     },
     |data: &[u8]| {
-    let mut sym = Symbolizer::new(2, Arc::new(Metrics::default()));
+    let mut sym = Symbolizer::new(Limits { binaries: 2, ..Limits::default() }, Arc::new(Metrics::default()));
     let Ok(id) = sym.load(memfd(data)) else {
         return;
     };

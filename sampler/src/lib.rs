@@ -22,4 +22,5 @@ pub mod round;
 pub mod rounds;
 pub mod serve;
 pub mod server;
+pub mod trim;
 pub mod unwind;

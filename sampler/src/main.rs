@@ -2,7 +2,7 @@
 
 #[cfg(feature = "forbidden-probe")]
 use firn_sampler::probe;
-use firn_sampler::{attach, cli, drain, drop, handles, hub, listen, preflight, serve};
+use firn_sampler::{attach, cli, drain, drop, handles, hub, listen, preflight, serve, trim};
 use std::cell::Cell;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -156,6 +156,11 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     unsafe { libc::malloc_trim(0) };
     drop::drop_capabilities(run_as).context("dropping capabilities")?;
     let filter = drop::build_filter()?;
+    // Setup's code and read-only data leave the RSS (madvise is not in the filter).
+    match trim::drop_setup_pages() {
+        Ok(kib) => tracing::info!(dropped_kib = kib, "setup pages dropped from RSS"),
+        Err(e) => tracing::warn!(error = %e, "setup pages kept"),
+    }
     drop::confine(&filter).context("installing the seccomp filter")?;
     tracing::info!(
         kept_capabilities = ?identity.kept_capabilities,

@@ -10,6 +10,9 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
             iterations per second), with no profiler and with each profiler, at each
             frequency; runs interleaved (none, firn, perf, bpftrace, bcc, none, …);
   idle      the same profilers with no workload;
+  rest      firn only, its cost of being installed: idle and busy (one busy thread per
+            CPU), at each frequency; each half's CPU over 60 s after 30 s of warm-up,
+            its RSS every 2 s and its peak (VmHWM over its whole life);
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
             short-lived processes (attribution to the right executable, enricher RSS
             trend); 200 distinct executables (symbol cache size and hit rate).
@@ -282,6 +285,83 @@ def table(rows, kind):
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------- rest (firn only)
+
+def rest_run(hz, busy, exe, rnd, warm=30, window=60):
+    """firn's cost at rest (idle) or beside a busy machine: CPU per half over `window`
+    seconds after `warm` seconds from its start, RSS every 2 s, peaks."""
+    log(f"rest: {'busy' if busy else 'idle'} at {hz} Hz …")
+    w = None
+    if busy:
+        w, _ = start_workload(exe, warm + window + 3 * rnd + 30)
+    f = Firn(rnd)
+    f.start(hz)
+    time.sleep(max(0.0, warm - (time.time() - f.t0)))
+    s, e = f.pids()
+    c0, t0 = {p: proc_cpu(p) for p in (s, e)}, time.time()
+    points = []
+    while time.time() - t0 < window:
+        time.sleep(2)
+        points.append((round(time.time() - f.t0, 1), status_kib(s, "VmRSS") / 1024,
+                       status_kib(e, "VmRSS") / 1024))
+    c1, t1 = {p: proc_cpu(p) for p in (s, e)}, time.time()
+    m = f.metrics()
+    res = f.stop(settle=False)
+    if w:
+        w.terminate()
+        w.wait()
+    last = points[-1] if points else (0, float("nan"), float("nan"))
+    return {"hz": hz, "state": "busy" if busy else "idle", "window_s": t1 - t0, "warm_s": warm,
+            "sampler_ms_per_s": 1000 * (c1[s] - c0[s]) / (t1 - t0),
+            "enricher_ms_per_s": 1000 * (c1[e] - c0[e]) / (t1 - t0),
+            "sampler_rss_mib": last[1], "enricher_rss_mib": last[2],
+            "sampler_rss_max_mib": max((p[1] for p in points), default=float("nan")),
+            "enricher_rss_max_mib": max((p[2] for p in points), default=float("nan")),
+            "sampler_peak_mib": res["rss_peak_sampler_kib"] / 1024,
+            "enricher_peak_mib": res["rss_peak_enricher_kib"] / 1024,
+            "debuginfo_held_mib": m.get("firn_enricher_debuginfo_bytes_held", 0) / 2**20,
+            "frames_cached": m.get("firn_enricher_symbol_frames_cached", 0),
+            "rss_points": points}
+
+
+def rest_table(rows):
+    """Medians over repetitions per (state, Hz), against issue #14's targets."""
+    targets = {("idle", 99): (0.5, 1.0, None), ("idle", 19): (0.25, 0.5, None),
+               ("busy", 99): (None, None, 2.0)}
+    out = ["| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
+           "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | DWARF held MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (k[0] != "idle", k[1]))
+    for state, hz in keys:
+        rs = [r for r in rows if r["state"] == state and r["hz"] == hz]
+        med = lambda k: bl.med([r[k] for r in rs])  # noqa: E731
+        tog = bl.med([r["sampler_ms_per_s"] + r["enricher_ms_per_s"] for r in rs])
+        t = targets.get((state, hz))
+        if t is None:
+            verdict = "–"
+        elif t[2] is not None:
+            verdict = f"together ≤ {t[2]}: {'met' if tog[0] <= t[2] else 'missed'}"
+        else:
+            ok = med("sampler_ms_per_s")[0] <= t[0] and med("enricher_ms_per_s")[0] <= t[1]
+            verdict = f"sampler ≤ {t[0]}, enricher ≤ {t[1]}: {'met' if ok else 'missed'}"
+        out.append(f"| {state} | {hz} | {len(rs)} | {bl.fmt(med('sampler_ms_per_s'), '{:.2f}')} | "
+                   f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
+                   f"{bl.fmt(med('sampler_rss_mib'), '{:.1f}')} / {bl.fmt(med('sampler_peak_mib'), '{:.1f}')} | "
+                   f"{bl.fmt(med('enricher_rss_mib'), '{:.1f}')} / {bl.fmt(med('enricher_peak_mib'), '{:.1f}')} | "
+                   f"{bl.fmt(med('debuginfo_held_mib'), '{:.1f}')} |")
+    return "\n".join(out)
+
+
+def series(points, every=60.0):
+    """'t: v' every `every` seconds of (t, v) points: an RSS trend in one line."""
+    out, next_t = [], 0.0
+    for t, v in points:
+        if t >= next_t:
+            out.append(f"{t / 60:.0f} min {v:.1f}")
+            next_t = t + every
+    return ", ".join(out)
+
+
 # ---------------------------------------------------------------- scale (firn only)
 
 def scale_many_processes(exe, out, seconds, hz, rnd, count=1000):
@@ -341,6 +421,7 @@ def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
     m1 = f.metrics()
     speak = status_kib(f.sampler.pid, "VmHWM") / 1024
     res = f.stop()
+    epeak = res["rss_peak_enricher_kib"] / 1024
     new = m1.get("firn_sampler_events_new", 0) - m0.get("firn_sampler_events_new", 0)
     per_process = (scpu - rest) * elapsed / new if new else float("nan")
     return {"label": label, "rate": rate, "ms": ms, "executables": len(exes), "seconds": seconds,
@@ -352,7 +433,7 @@ def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
             "gone_before_read": m1.get("firn_sampler_processes_gone", 0),
             # The first fifth is warm-up (binaries loading); the trend is of the rest.
             "rss_trend_mib_per_min": bl.trend_per_minute(rss[len(rss) // 5:]),
-            "rss_max_mib": max((p[1] for p in rss), default=float("nan")),
+            "rss_max_mib": max((p[1] for p in rss), default=float("nan")), "enricher_peak_mib": epeak,
             "attributed": f.attributed, "by_comm": f.by_comm, "metrics": res["metrics"]}
 
 
@@ -370,6 +451,12 @@ def write_report(res, update):
         sections["bench-overhead"] = head + "\n\n" + table(res["overhead"], "overhead")
     if "idle" in res:
         sections["bench-idle"] = head + "\n\n" + table(res["idle"], "idle")
+    if "rest" in res:
+        sections["bench-rest"] = (
+            f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
+            f"{p['round']} s, {p['rest_pairs']} run(s) per cell. CPU from each half's schedstat over 60 s "
+            "after 30 s from its start; RSS at the end of the window; peak = VmHWM over the whole life "
+            "(start-up included). busy = `busy.c` on every CPU.\n\n" + rest_table(res["rest"]))
     if "unwind" in res:
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "
                 "unwinds it from tables, bpftrace walks frame pointers (and gets the leaf only).\n\n"
@@ -412,7 +499,12 @@ def write_report(res, update):
                     f"{max((p[1] for p in r.get('sampler_rss_points', [])), default=float('nan')):.1f} MiB "
                     f"(peak {r.get('sampler_rss_peak_mib', float('nan')):.1f}); ring buffer events lost "
                     f"{r.get('events_lost', 0):.0f}; processes gone before /proc read "
-                    f"{mt.get('firn_sampler_processes_gone', 0):.0f} |")
+                    f"{mt.get('firn_sampler_processes_gone', 0):.0f}; enricher peak (VmHWM) "
+                    f"{r.get('enricher_peak_mib', float('nan')):.1f} MiB |")
+        for key in ("churn", "many_binaries"):
+            if key in s:
+                lines.append(f"\nEnricher RSS (MiB) during {s[key]['label']}, each minute: "
+                             + series(s[key]["rss_points"]) + ".")
         sections["bench-scale"] = "\n".join(lines)
     for name, body in sections.items():
         log(f"\n== {name}\n{body}")
@@ -441,8 +533,11 @@ def main():
     ap.add_argument("--profilers", default="firn,perf,bpftrace,bcc")
     ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
     ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
-    ap.add_argument("--parts", default="overhead,idle,unwind,scale", help="overhead,idle,unwind,scale")
-    ap.add_argument("--churn-seconds", type=int, default=300)
+    ap.add_argument("--parts", default="overhead,idle,rest,unwind,scale",
+                    help="overhead,idle,rest,unwind,scale")
+    ap.add_argument("--rest-pairs", type=int, default=1, help="repetitions of the rest part (1)")
+    ap.add_argument("--churn-seconds", type=int, default=600,
+                    help="length of the churn storm (600: the RSS trend over 10 minutes)")
     ap.add_argument("--churn-rate", type=int, default=50,
                     help="processes per second in the churn storm (50: ~1 CPU of 20 ms processes on 2 CPUs)")
     ap.add_argument("--binaries", type=int, default=200)
@@ -490,6 +585,13 @@ def main():
                           args.round)
             res["idle_runs"] = runs
             res["idle"] = summarize(runs, "idle")
+        if "rest" in parts:
+            runs = []
+            for _ in range(args.rest_pairs):
+                for hz in freqs:
+                    for busy in (False, True):
+                        runs.append(rest_run(hz, busy, exe, args.round))
+            res["rest"] = runs
         if "unwind" in parts:
             nofp = build_nofp(out)
             peers = [p for p in profilers if p in ("firn", "bpftrace")]

@@ -24,9 +24,6 @@ use nix::sys::stat::fstat;
 
 use crate::metrics::Metrics;
 
-/// Frames remembered per binary before its frame cache is cleared.
-const MAX_FRAMES_PER_BINARY: usize = 1 << 16;
-
 #[derive(Debug, thiserror::Error)]
 pub enum SymError {
     #[error("stat of the brokered file: {0}")]
@@ -79,14 +76,51 @@ pub struct Line {
 /// holds the code last (pprof's order).
 pub type Lines = Arc<[Line]>;
 
+/// Memory bounds of the symbolizer. Parsed DWARF is most of the enricher's memory: a
+/// binary's debug sections are mapped and read whole, and its function and line
+/// tables are built on the heap.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Binaries kept open (LRU; each holds one fd and its symbol tables).
+    pub binaries: usize,
+    /// DWARF bytes (uncompressed debug sections, the binary's own or its separate debug
+    /// file's) whose parsed state is held at once. Past it the least recently used
+    /// binary's DWARF is dropped (its frames already named stay cached). A binary whose
+    /// DWARF alone is larger is named from its symbol tables: functions, no file:line
+    /// and no inline frames.
+    pub debuginfo_bytes: u64,
+    /// Named frames remembered over all binaries (LRU).
+    pub frames: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            binaries: 256,
+            debuginfo_bytes: 24 << 20,
+            frames: 32 << 10,
+        }
+    }
+}
+
+/// Where blazesym looks for separate debug files (by build id), as it does by default.
+const DEBUG_DIRS: [&str; 2] = ["/usr/lib/debug", "/lib/debug"];
+
 struct Loaded {
     /// Keeps `/proc/self/fd/N` naming this file while blazesym may open it.
     _fd: OwnedFd,
     path: PathBuf,
+    /// Frames are cached under this number (never reused), not the id.
+    serial: u64,
     build_id: Option<Vec<u8>>,
     /// No `.symtab` section (None: not an ELF file object could read).
     stripped: Option<bool>,
-    frames: HashMap<u64, Option<Lines>>,
+    /// Bytes of DWARF a full parse reads (0: none found; symbol tables only).
+    debug_bytes: u64,
+    /// blazesym holds this binary's parsed DWARF (counted in the budget).
+    dwarf_held: bool,
+    /// Its DWARF was dropped for room once (parsing it again is a reparse).
+    dwarf_dropped: bool,
     /// The parser panicked on this file once: never parse it again.
     poisoned: bool,
 }
@@ -95,24 +129,32 @@ pub struct Symbolizer {
     inner: blazesym::symbolize::Symbolizer,
     binaries: lru::LruCache<BinaryId, Loaded>,
     by_file: HashMap<(u64, u64), BinaryId>,
+    frames: lru::LruCache<(u64, u64), Option<Lines>>,
+    limits: Limits,
+    debug_bytes_held: u64,
+    next_serial: u64,
     metrics: Arc<Metrics>,
 }
 
 impl Symbolizer {
-    pub fn new(capacity: usize, metrics: Arc<Metrics>) -> Self {
+    pub fn new(limits: Limits, metrics: Arc<Metrics>) -> Self {
         let inner = blazesym::symbolize::Symbolizer::builder()
             // Paths are our own fds, which do not change under us.
             .enable_auto_reload(false)
             .enable_code_info(true)
             .enable_inlined_fns(true)
             .enable_demangling(true)
+            .set_debug_dirs(Some(&DEBUG_DIRS))
             .build();
+        let count = |n: usize| NonZeroUsize::new(n.max(1)).unwrap_or(NonZeroUsize::MIN);
         Self {
             inner,
-            binaries: lru::LruCache::new(
-                NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN),
-            ),
+            binaries: lru::LruCache::new(count(limits.binaries)),
             by_file: HashMap::new(),
+            frames: lru::LruCache::new(count(limits.frames)),
+            limits,
+            debug_bytes_held: 0,
+            next_serial: 0,
             metrics,
         }
     }
@@ -145,6 +187,16 @@ impl Symbolizer {
         self.binaries.contains(id)
     }
 
+    /// Bytes of DWARF whose parsed state is held now.
+    pub fn debug_bytes_held(&self) -> u64 {
+        self.debug_bytes_held
+    }
+
+    /// Named frames cached now.
+    pub fn frames_cached(&self) -> usize {
+        self.frames.len()
+    }
+
     /// Adds a brokered file to the cache and returns its identity.
     pub fn load(&mut self, fd: OwnedFd) -> Result<BinaryId, SymError> {
         let st = fstat(&fd).map_err(SymError::Stat)?;
@@ -174,15 +226,32 @@ impl Symbolizer {
             return Ok(id);
         }
         Metrics::inc(&self.metrics.binaries_loaded);
-        let stripped = std::fs::File::open(&path)
+        let facts = std::fs::File::open(&path)
             .ok()
-            .and_then(|f| contained(|| lacks_symtab(f)).flatten());
+            .and_then(|f| contained(|| elf_facts(f)).flatten());
+        let mut debug_bytes = facts.map_or(0, |f| f.debug_bytes);
+        if debug_bytes == 0 {
+            debug_bytes = build_id.as_deref().map_or(0, separate_debug_bytes);
+        }
+        if debug_bytes > self.limits.debuginfo_bytes {
+            Metrics::inc(&self.metrics.binaries_over_debuginfo_budget);
+            tracing::info!(
+                binary = ?id,
+                debug_bytes,
+                budget = self.limits.debuginfo_bytes,
+                "debug info larger than the budget (--symbol-debuginfo-budget): names from the symbol tables, no file:line or inline frames"
+            );
+        }
+        self.next_serial += 1;
         let loaded = Loaded {
             _fd: fd,
             path,
+            serial: self.next_serial,
             build_id,
-            stripped,
-            frames: HashMap::new(),
+            stripped: facts.map(|f| !f.symtab),
+            debug_bytes,
+            dwarf_held: false,
+            dwarf_dropped: false,
             poisoned: false,
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
@@ -203,28 +272,68 @@ impl Symbolizer {
         SymError::Panicked
     }
 
+    /// Makes blazesym forget a file: its mapping, symbol tables and parsed DWARF.
+    fn forget_parsed(&mut self, path: &std::path::Path) {
+        let evict = blazesym::symbolize::evict::Elf::new(path.to_path_buf());
+        if contained(|| self.inner.evict(&evict.into())).is_none() {
+            tracing::debug!("blazesym eviction panicked");
+        }
+    }
+
     fn evicted(&mut self, id: &BinaryId, old: Loaded) {
         Metrics::inc(&self.metrics.binaries_evicted);
-        let evict = blazesym::symbolize::evict::Elf::new(old.path.clone());
-        if let Err(e) = self.inner.evict(&evict.into()) {
-            tracing::debug!(error = %e, "blazesym eviction");
+        if old.dwarf_held {
+            self.debug_bytes_held -= old.debug_bytes;
         }
+        self.forget_parsed(&old.path);
         self.by_file.retain(|_, v| v != id);
         drop(old);
     }
 
+    /// Drops the parsed DWARF of the least recently used binaries until `need` more
+    /// bytes fit the budget (never `keep`'s).
+    fn make_room(&mut self, need: u64, keep: &BinaryId) {
+        let budget = self.limits.debuginfo_bytes;
+        if self.debug_bytes_held + need <= budget {
+            return;
+        }
+        let mut victims = Vec::new();
+        let mut freed = 0;
+        for (id, b) in self.binaries.iter().rev() {
+            if self.debug_bytes_held - freed + need <= budget {
+                break;
+            }
+            if b.dwarf_held && id != keep {
+                freed += b.debug_bytes;
+                victims.push(id.clone());
+            }
+        }
+        for id in victims {
+            let Some(b) = self.binaries.peek_mut(&id) else {
+                continue;
+            };
+            b.dwarf_held = false;
+            b.dwarf_dropped = true;
+            self.debug_bytes_held -= b.debug_bytes;
+            let path = b.path.clone();
+            self.forget_parsed(&path);
+            Metrics::inc(&self.metrics.debuginfo_evictions);
+        }
+    }
+
     /// Lines for each file offset (None: no symbol covers it).
     pub fn symbolize(&mut self, id: &BinaryId, offsets: &[u64]) -> Vec<Option<Lines>> {
-        let Some(bin) = self.binaries.get_mut(id) else {
+        let Some(bin) = self.binaries.get(id) else {
             return vec![None; offsets.len()];
         };
         if bin.poisoned {
             return vec![None; offsets.len()];
         }
+        let (serial, path, debug_bytes) = (bin.serial, bin.path.clone(), bin.debug_bytes);
         let mut misses: Vec<u64> = offsets
             .iter()
             .copied()
-            .filter(|o| !bin.frames.contains_key(o))
+            .filter(|&o| self.frames.get(&(serial, o)).is_none())
             .collect();
         misses.sort_unstable();
         misses.dedup();
@@ -232,47 +341,63 @@ impl Symbolizer {
             &self.metrics.symbol_cache_hits,
             (offsets.len() - misses.len().min(offsets.len())) as u64,
         );
+        let mut fresh: HashMap<u64, Option<Lines>> = HashMap::new();
         if !misses.is_empty() {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
-            if bin.frames.len() + misses.len() > MAX_FRAMES_PER_BINARY {
-                bin.frames.clear();
+            let dwarf = debug_bytes > 0 && debug_bytes <= self.limits.debuginfo_bytes;
+            if dwarf {
+                self.make_room(debug_bytes, id);
             }
-            let src = Source::Elf(Elf::new(bin.path.clone()));
+            let mut elf = Elf::new(path.clone());
+            elf.debug_syms = dwarf;
+            let src = Source::Elf(elf);
             let inner = &self.inner;
             let result = contained(|| {
                 inner
                     .symbolize(&src, Input::FileOffset(&misses))
                     .map(|r| r.into_iter().map(owned_lines).collect::<Vec<_>>())
             });
-            let Some(result) = result else {
-                bin.poisoned = true;
-                bin.frames.clear();
-                let path = bin.path.clone();
-                self.panicked(Some(id));
-                // Its half-parsed state goes too.
-                let _ = contained(|| {
-                    self.inner
-                        .evict(&blazesym::symbolize::evict::Elf::new(path).into())
-                });
-                return vec![None; offsets.len()];
-            };
-            match result {
-                Ok(results) => {
-                    for (off, lines) in misses.iter().zip(results) {
-                        bin.frames.insert(*off, lines);
+            if let Some(bin) = self.binaries.peek_mut(id) {
+                if dwarf && !bin.dwarf_held {
+                    bin.dwarf_held = true;
+                    self.debug_bytes_held += debug_bytes;
+                    if bin.dwarf_dropped {
+                        Metrics::inc(&self.metrics.debuginfo_reparses);
                     }
                 }
-                Err(e) => {
-                    tracing::debug!(error = %e, "symbolization failed for a binary");
-                    for off in &misses {
-                        bin.frames.insert(*off, None);
+            }
+            let Some(result) = result else {
+                if let Some(bin) = self.binaries.peek_mut(id) {
+                    bin.poisoned = true;
+                    if bin.dwarf_held {
+                        bin.dwarf_held = false;
+                        self.debug_bytes_held -= debug_bytes;
+                    }
+                }
+                self.panicked(Some(id));
+                // Its half-parsed state goes too.
+                self.forget_parsed(&path);
+                return vec![None; offsets.len()];
+            };
+            let results = result.unwrap_or_else(|e| {
+                tracing::debug!(error = %e, "symbolization failed for a binary");
+                vec![None; misses.len()]
+            });
+            for (&off, lines) in misses.iter().zip(results) {
+                fresh.insert(off, lines.clone());
+                if let Some((key, _)) = self.frames.push((serial, off), lines) {
+                    if key != (serial, off) {
+                        Metrics::inc(&self.metrics.symbol_frames_evicted);
                     }
                 }
             }
         }
         offsets
             .iter()
-            .map(|o| bin.frames.get(o).cloned().flatten())
+            .map(|&o| match fresh.get(&o) {
+                Some(l) => l.clone(),
+                None => self.frames.peek(&(serial, o)).cloned().flatten(),
+            })
             .collect()
     }
 }
@@ -284,23 +409,66 @@ fn owned_lines(r: Symbolized<'_>) -> Option<Lines> {
     }
 }
 
+#[derive(Debug, Clone, Copy)]
+struct ElfFacts {
+    /// Has a `.symtab` section.
+    symtab: bool,
+    /// Uncompressed size of its DWARF sections (`.debug_*`, `.zdebug_*`).
+    debug_bytes: u64,
+}
+
 /// Reads only the ELF and section headers (through a read cache, never the whole file).
-fn lacks_symtab(file: std::fs::File) -> Option<bool> {
+fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
     use object::read::elf::{ElfFile32, ElfFile64};
-    use object::read::{Object, ReadCache};
+    use object::read::{Object, ObjectSection, ReadCache};
+    fn of<'a, O: Object<'a>>(o: &O) -> ElfFacts {
+        let mut facts = ElfFacts {
+            symtab: false,
+            debug_bytes: 0,
+        };
+        for s in o.sections() {
+            let name = s.name().unwrap_or_default();
+            if name == ".symtab" {
+                facts.symtab = true;
+            } else if name.starts_with(".debug_") || name.starts_with(".zdebug_") {
+                let size = s
+                    .compressed_file_range()
+                    .map_or(s.size(), |r| r.uncompressed_size);
+                facts.debug_bytes = facts.debug_bytes.saturating_add(size);
+            }
+        }
+        facts
+    }
     let cache = ReadCache::new(file);
-    let has = match object::FileKind::parse(&cache).ok()? {
-        object::FileKind::Elf64 => ElfFile64::<object::Endianness, _>::parse(&cache)
-            .ok()?
-            .section_by_name(".symtab")
-            .is_some(),
-        object::FileKind::Elf32 => ElfFile32::<object::Endianness, _>::parse(&cache)
-            .ok()?
-            .section_by_name(".symtab")
-            .is_some(),
-        _ => return None,
+    match object::FileKind::parse(&cache).ok()? {
+        object::FileKind::Elf64 => {
+            Some(of(&ElfFile64::<object::Endianness, _>::parse(&cache).ok()?))
+        }
+        object::FileKind::Elf32 => {
+            Some(of(&ElfFile32::<object::Endianness, _>::parse(&cache).ok()?))
+        }
+        _ => None,
+    }
+}
+
+/// DWARF bytes of the separate debug file blazesym would find for this build id.
+fn separate_debug_bytes(build_id: &[u8]) -> u64 {
+    let [first, rest @ ..] = build_id else {
+        return 0;
     };
-    Some(!has)
+    if rest.is_empty() {
+        return 0;
+    }
+    let name = format!(".build-id/{first:02x}/{}.debug", hex(rest));
+    DEBUG_DIRS
+        .iter()
+        .find_map(|d| std::fs::File::open(std::path::Path::new(d).join(&name)).ok())
+        .and_then(|f| contained(|| elf_facts(f)).flatten())
+        .map_or(0, |f| f.debug_bytes)
+}
+
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn file_of(ci: Option<&CodeInfo<'_>>) -> (Arc<str>, u32) {
@@ -350,7 +518,11 @@ mod tests {
         let mut inputs = 0;
         for entry in std::fs::read_dir(&dir).unwrap().flatten() {
             inputs += 1;
-            let mut sym = Symbolizer::new(2, metrics.clone());
+            let limits = Limits {
+                binaries: 2,
+                ..Limits::default()
+            };
+            let mut sym = Symbolizer::new(limits, metrics.clone());
             let file = std::fs::File::open(entry.path()).unwrap();
             let Ok(id) = sym.load(file.into()) else {
                 continue;
@@ -374,8 +546,10 @@ mod tests {
     #[test]
     fn symtab_detection() {
         let me = std::fs::File::open("/proc/self/exe").unwrap();
-        assert_eq!(super::lacks_symtab(me), Some(false));
+        let facts = super::elf_facts(me).unwrap();
+        assert!(facts.symtab);
+        assert!(facts.debug_bytes > 0, "test binaries carry DWARF");
         let text = std::fs::File::open("/proc/self/status").unwrap();
-        assert_eq!(super::lacks_symtab(text), None);
+        assert!(super::elf_facts(text).is_none());
     }
 }
