@@ -1,6 +1,6 @@
 //! The enricher's per-round path, per stage: decode (the batch message through the
 //! reader limits and validation), symbolize (cold with DWARF, cold from the symbol
-//! tables only as over `--symbol-debuginfo-budget`, and from the frame cache),
+//! tables only as over `--symbol-budget`, and from the frame cache),
 //! aggregate into pprof + gzip encode, at 1k / 10k / 100k unique stacks.
 //!
 //! Input: stacks made of real function addresses of a real binary (this benchmark's own
@@ -115,12 +115,12 @@ fn bench(c: &mut Criterion) {
 
         // Cold: a fresh symbolizer per iteration. With DWARF (a budget that holds this
         // binary's debug info: names, file:line, inline frames) and from the symbol
-        // tables only (a budget it exceeds: names only), as `--symbol-debuginfo-budget`
+        // tables only (a budget it exceeds: names only), as `--symbol-budget`
         // decides per binary.
-        for (stage, debuginfo_bytes) in [("cold_dwarf", u64::MAX), ("cold_symtab", 0)] {
+        for (stage, budget_bytes) in [("cold_dwarf", u64::MAX), ("cold_symtab", 0)] {
             let limits = Limits {
                 binaries: 4,
-                debuginfo_bytes,
+                budget_bytes,
                 frames: offsets.len(),
             };
             g.bench_function(BenchmarkId::new("symbolize", stage), |b| {
@@ -135,16 +135,16 @@ fn bench(c: &mut Criterion) {
             let named = s.symbolize(&id, &offsets);
             let lines: usize = named.iter().flatten().map(|l| l.len()).sum();
             eprintln!(
-                "symbolize/{stage}: {} of {} offsets named, {lines} lines (inline included), DWARF held {} MiB",
+                "symbolize/{stage}: {} of {} offsets named, {lines} lines (inline included), symbols held {} MiB",
                 named.iter().flatten().count(),
                 offsets.len(),
-                s.debug_bytes_held() >> 20
+                s.bytes_held() >> 20
             );
         }
 
         let limits = Limits {
             binaries: 4,
-            debuginfo_bytes: u64::MAX,
+            budget_bytes: u64::MAX,
             frames: offsets.len(),
         };
         let mut warm = Symbolizer::new(limits, metrics.clone());

@@ -45,14 +45,15 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub symbol_cache: u32,
 
-    /// DWARF held parsed at once, in bytes of uncompressed debug sections (a binary's
-    /// own or its separate debug file's). Parsed DWARF is most of the enricher's memory:
-    /// its RSS grows by about 1.5 times this. Past it the least recently used binary's
-    /// DWARF is dropped (frames already named stay cached). A binary whose DWARF alone
-    /// is larger, such as firn's own, is named from its symbol tables: function names
-    /// without file:line or inline frames. 0 turns DWARF off.
-    #[arg(long, env = "FIRN_SYMBOL_DEBUGINFO_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
-    pub symbol_debuginfo_budget: u64,
+    /// Symbols held parsed at once, in bytes of symbol tables and DWARF (uncompressed
+    /// debug sections, a binary's own or its separate debug file's). Parsed symbols
+    /// are most of the enricher's memory: its RSS grows by about 1.5 times this. Past
+    /// it the least recently used binary's parse is dropped (frames already named stay
+    /// cached). A binary whose DWARF does not fit, such as firn's own, is named from its
+    /// symbol tables: function names without file:line or inline frames. 0 keeps
+    /// nothing parsed between rounds.
+    #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
+    pub symbol_budget: u64,
 
     /// Named frames remembered over all binaries (LRU), so that a frame is symbolized
     /// once, not every round.

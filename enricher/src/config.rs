@@ -36,7 +36,7 @@ pub struct FileConfig {
     pub min_free: Option<String>,
     pub http_address: Option<std::net::SocketAddr>,
     pub symbol_cache: Option<u32>,
-    pub symbol_debuginfo_budget: Option<String>,
+    pub symbol_budget: Option<String>,
     pub symbol_frames: Option<u32>,
     pub unwind_min_samples: Option<u64>,
     pub node: Option<String>,
@@ -99,7 +99,7 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
     for (name, key) in [
         ("retention_size", &file.retention_size),
         ("min_free", &file.min_free),
-        ("symbol_debuginfo_budget", &file.symbol_debuginfo_budget),
+        ("symbol_budget", &file.symbol_budget),
     ] {
         if let Some(v) = key {
             cli::parse_bytes(v).map_err(|m| {
@@ -161,7 +161,7 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take!(symbol_cache);
     take!(symbol_frames);
     take!(unwind_min_samples);
-    take!(symbol_debuginfo_budget, cli::parse_bytes);
+    take!(symbol_budget, cli::parse_bytes);
     take!(profile_by);
     take!(log);
     take!(kubernetes);

@@ -465,8 +465,8 @@ impl Enricher {
             self.symbolizer.len() as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        m.debuginfo_bytes_held.store(
-            self.symbolizer.debug_bytes_held(),
+        m.symbol_bytes_held.store(
+            self.symbolizer.bytes_held(),
             std::sync::atomic::Ordering::Relaxed,
         );
         m.symbol_frames_cached.store(

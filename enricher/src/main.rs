@@ -141,7 +141,7 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         );
         let limits = symbolize::Limits {
             binaries: args.symbol_cache as usize,
-            debuginfo_bytes: args.symbol_debuginfo_budget,
+            budget_bytes: args.symbol_budget,
             frames: args.symbol_frames as usize,
         };
         let symbolizer = symbolize::Symbolizer::new(limits, metrics.clone());
@@ -204,6 +204,11 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
                 }
                 let round = enricher.handle(batch, broker.as_deref()).await;
                 write(round, args.profile_by, sink, &http, &metrics);
+                // A round's transient memory (the batch, unwind tables being built, the
+                // encoded profiles) is free now: give its pages back rather than let the
+                // heap keep its high-water mark until the next burst.
+                // SAFETY: malloc_trim has no preconditions.
+                unsafe { libc::malloc_trim(0) };
             }
         }
     }

@@ -20,8 +20,8 @@ macro_rules! metrics {
             pub binaries_cached: AtomicU64,
             /// Pods of this node known from the Kubernetes API (gauge).
             pub kubernetes_pods: AtomicU64,
-            /// DWARF bytes whose parsed state the symbolizer holds (gauge).
-            pub debuginfo_bytes_held: AtomicU64,
+            /// Bytes of symbol tables and DWARF whose parse the symbolizer holds (gauge).
+            pub symbol_bytes_held: AtomicU64,
             /// Named frames in the symbolizer's frame cache (gauge).
             pub symbol_frames_cached: AtomicU64,
         }
@@ -44,7 +44,7 @@ macro_rules! metrics {
                     ("processes_known", "Processes in the enricher's table.", &self.processes_known),
                     ("binaries_cached", "Binaries in the symbol cache.", &self.binaries_cached),
                     ("kubernetes_pods", "Pods of this node known from the Kubernetes API.", &self.kubernetes_pods),
-                    ("debuginfo_bytes_held", "DWARF bytes whose parsed state the symbolizer holds (bounded by --symbol-debuginfo-budget).", &self.debuginfo_bytes_held),
+                    ("symbol_bytes_held", "Bytes of symbol tables and DWARF whose parse the symbolizer holds (bounded by --symbol-budget).", &self.symbol_bytes_held),
                     ("symbol_frames_cached", "Named frames in the frame cache (bounded by --symbol-frames).", &self.symbol_frames_cached),
                 ] {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
@@ -87,9 +87,10 @@ metrics! {
     binaries_loaded: "binaries opened for symbolization",
     binaries_evicted: "binaries evicted from the symbol cache",
     symbol_frames_evicted: "named frames evicted from the frame cache (--symbol-frames)",
-    debuginfo_evictions: "binaries whose parsed DWARF was dropped to stay in --symbol-debuginfo-budget",
-    debuginfo_reparses: "binaries whose DWARF was parsed again after being dropped for room",
-    binaries_over_debuginfo_budget: "binaries whose DWARF alone exceeds --symbol-debuginfo-budget (named from symbol tables only)",
+    symbol_parses_dropped: "binaries whose parsed symbols and DWARF were dropped to stay within --symbol-budget",
+    symbol_reparses: "binaries parsed again after being dropped for room",
+    symbol_parses_transient: "parses of binaries whose symbol tables alone exceed --symbol-budget (dropped after the round)",
+    binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binary_load_errors: "binaries whose ELF could not be read",
     symbolizer_panics: "binaries on which the symbolizer panicked (malformed; contained, frames kept as addresses)",
     broker_requests: "file descriptors requested from the sampler",

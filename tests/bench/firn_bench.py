@@ -319,7 +319,7 @@ def rest_run(hz, busy, exe, rnd, warm=30, window=60):
             "enricher_rss_max_mib": max((p[2] for p in points), default=float("nan")),
             "sampler_peak_mib": res["rss_peak_sampler_kib"] / 1024,
             "enricher_peak_mib": res["rss_peak_enricher_kib"] / 1024,
-            "debuginfo_held_mib": m.get("firn_enricher_debuginfo_bytes_held", 0) / 2**20,
+            "symbols_held_mib": m.get("firn_enricher_symbol_bytes_held", 0) / 2**20,
             "frames_cached": m.get("firn_enricher_symbol_frames_cached", 0),
             "rss_points": points}
 
@@ -329,7 +329,7 @@ def rest_table(rows):
     targets = {("idle", 99): (0.5, 1.0, None), ("idle", 19): (0.25, 0.5, None),
                ("busy", 99): (None, None, 2.0)}
     out = ["| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
-           "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | DWARF held MiB |",
+           "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (k[0] != "idle", k[1]))
     for state, hz in keys:
@@ -348,7 +348,7 @@ def rest_table(rows):
                    f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
                    f"{bl.fmt(med('sampler_rss_mib'), '{:.1f}')} / {bl.fmt(med('sampler_peak_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('enricher_rss_mib'), '{:.1f}')} / {bl.fmt(med('enricher_peak_mib'), '{:.1f}')} | "
-                   f"{bl.fmt(med('debuginfo_held_mib'), '{:.1f}')} |")
+                   f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} |")
     return "\n".join(out)
 
 

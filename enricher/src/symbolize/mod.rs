@@ -6,6 +6,13 @@
 //! forget that path before the fd (and so the number) is released. A frame that cannot
 //! be symbolized gets no name here, never a guessed one.
 //!
+//! Memory is bounded three ways ([`Limits`]): binaries kept open, frames remembered
+//! (one LRU over all binaries, so a frame is symbolized once), and bytes of symbol
+//! tables and DWARF held parsed. The last is most of the enricher's RSS: blazesym maps
+//! a binary and reads its tables and debug sections, and builds function and line
+//! tables on the heap. Past the budget the least recently used parse is dropped; a
+//! binary whose DWARF does not fit is named from its symbol tables alone.
+//!
 //! blazesym parses whatever ELF and DWARF a binary carries; fuzzing found inputs on
 //! which it panics (an unchecked file index in its line tables). Its calls run
 //! [`contained`]: a panic there is caught and counted, the binary is marked poisoned
@@ -83,12 +90,13 @@ pub type Lines = Arc<[Line]>;
 pub struct Limits {
     /// Binaries kept open (LRU; each holds one fd and its symbol tables).
     pub binaries: usize,
-    /// DWARF bytes (uncompressed debug sections, the binary's own or its separate debug
-    /// file's) whose parsed state is held at once. Past it the least recently used
-    /// binary's DWARF is dropped (its frames already named stay cached). A binary whose
-    /// DWARF alone is larger is named from its symbol tables: functions, no file:line
-    /// and no inline frames.
-    pub debuginfo_bytes: u64,
+    /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
+    /// or its separate debug file's) whose parsed state is held at once. Past it the
+    /// least recently used binary's parse is dropped (its frames already named stay
+    /// cached). A binary whose tables and DWARF together are larger is named from its
+    /// symbol tables only: functions, no file:line and no inline frames; one whose
+    /// symbol tables alone are larger is parsed for the round and dropped at once.
+    pub budget_bytes: u64,
     /// Named frames remembered over all binaries (LRU).
     pub frames: usize,
 }
@@ -97,7 +105,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             binaries: 256,
-            debuginfo_bytes: 24 << 20,
+            budget_bytes: 24 << 20,
             frames: 32 << 10,
         }
     }
@@ -115,12 +123,14 @@ struct Loaded {
     build_id: Option<Vec<u8>>,
     /// No `.symtab` section (None: not an ELF file object could read).
     stripped: Option<bool>,
-    /// Bytes of DWARF a full parse reads (0: none found; symbol tables only).
-    debug_bytes: u64,
-    /// blazesym holds this binary's parsed DWARF (counted in the budget).
-    dwarf_held: bool,
-    /// Its DWARF was dropped for room once (parsing it again is a reparse).
-    dwarf_dropped: bool,
+    /// Symbolized with DWARF (within the budget), else from the symbol tables.
+    dwarf: bool,
+    /// Bytes a parse reads and holds: symbol tables, plus DWARF when `dwarf`.
+    cost: u64,
+    /// blazesym holds this binary's parse (counted in the budget).
+    held: bool,
+    /// Its parse was dropped for room once (parsing it again is a reparse).
+    dropped: bool,
     /// The parser panicked on this file once: never parse it again.
     poisoned: bool,
 }
@@ -131,7 +141,7 @@ pub struct Symbolizer {
     by_file: HashMap<(u64, u64), BinaryId>,
     frames: lru::LruCache<(u64, u64), Option<Lines>>,
     limits: Limits,
-    debug_bytes_held: u64,
+    bytes_held: u64,
     next_serial: u64,
     metrics: Arc<Metrics>,
 }
@@ -153,7 +163,7 @@ impl Symbolizer {
             by_file: HashMap::new(),
             frames: lru::LruCache::new(count(limits.frames)),
             limits,
-            debug_bytes_held: 0,
+            bytes_held: 0,
             next_serial: 0,
             metrics,
         }
@@ -187,9 +197,9 @@ impl Symbolizer {
         self.binaries.contains(id)
     }
 
-    /// Bytes of DWARF whose parsed state is held now.
-    pub fn debug_bytes_held(&self) -> u64 {
-        self.debug_bytes_held
+    /// Bytes of symbol tables and DWARF whose parsed state is held now.
+    pub fn bytes_held(&self) -> u64 {
+        self.bytes_held
     }
 
     /// Named frames cached now.
@@ -233,13 +243,17 @@ impl Symbolizer {
         if debug_bytes == 0 {
             debug_bytes = build_id.as_deref().map_or(0, separate_debug_bytes);
         }
-        if debug_bytes > self.limits.debuginfo_bytes {
-            Metrics::inc(&self.metrics.binaries_over_debuginfo_budget);
+        let sym_bytes = facts.map_or(0, |f| f.sym_bytes);
+        let budget = self.limits.budget_bytes;
+        let dwarf = debug_bytes > 0 && sym_bytes.saturating_add(debug_bytes) <= budget;
+        if debug_bytes > 0 && !dwarf {
+            Metrics::inc(&self.metrics.binaries_over_symbol_budget);
             tracing::info!(
                 binary = ?id,
                 debug_bytes,
-                budget = self.limits.debuginfo_bytes,
-                "debug info larger than the budget (--symbol-debuginfo-budget): names from the symbol tables, no file:line or inline frames"
+                sym_bytes,
+                budget,
+                "debug info larger than the budget (--symbol-budget): names from the symbol tables, no file:line or inline frames"
             );
         }
         self.next_serial += 1;
@@ -249,9 +263,10 @@ impl Symbolizer {
             serial: self.next_serial,
             build_id,
             stripped: facts.map(|f| !f.symtab),
-            debug_bytes,
-            dwarf_held: false,
-            dwarf_dropped: false,
+            dwarf,
+            cost: sym_bytes + if dwarf { debug_bytes } else { 0 },
+            held: false,
+            dropped: false,
             poisoned: false,
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
@@ -282,29 +297,29 @@ impl Symbolizer {
 
     fn evicted(&mut self, id: &BinaryId, old: Loaded) {
         Metrics::inc(&self.metrics.binaries_evicted);
-        if old.dwarf_held {
-            self.debug_bytes_held -= old.debug_bytes;
+        if old.held {
+            self.bytes_held -= old.cost;
         }
         self.forget_parsed(&old.path);
         self.by_file.retain(|_, v| v != id);
         drop(old);
     }
 
-    /// Drops the parsed DWARF of the least recently used binaries until `need` more
-    /// bytes fit the budget (never `keep`'s).
+    /// Drops the parses of the least recently used binaries until `need` more bytes
+    /// fit the budget (never `keep`'s).
     fn make_room(&mut self, need: u64, keep: &BinaryId) {
-        let budget = self.limits.debuginfo_bytes;
-        if self.debug_bytes_held + need <= budget {
+        let budget = self.limits.budget_bytes;
+        if self.bytes_held + need <= budget {
             return;
         }
         let mut victims = Vec::new();
         let mut freed = 0;
         for (id, b) in self.binaries.iter().rev() {
-            if self.debug_bytes_held - freed + need <= budget {
+            if self.bytes_held - freed + need <= budget {
                 break;
             }
-            if b.dwarf_held && id != keep {
-                freed += b.debug_bytes;
+            if b.held && id != keep {
+                freed += b.cost;
                 victims.push(id.clone());
             }
         }
@@ -312,12 +327,12 @@ impl Symbolizer {
             let Some(b) = self.binaries.peek_mut(&id) else {
                 continue;
             };
-            b.dwarf_held = false;
-            b.dwarf_dropped = true;
-            self.debug_bytes_held -= b.debug_bytes;
+            b.held = false;
+            b.dropped = true;
+            self.bytes_held -= b.cost;
             let path = b.path.clone();
             self.forget_parsed(&path);
-            Metrics::inc(&self.metrics.debuginfo_evictions);
+            Metrics::inc(&self.metrics.symbol_parses_dropped);
         }
     }
 
@@ -329,7 +344,7 @@ impl Symbolizer {
         if bin.poisoned {
             return vec![None; offsets.len()];
         }
-        let (serial, path, debug_bytes) = (bin.serial, bin.path.clone(), bin.debug_bytes);
+        let (serial, path, dwarf, cost) = (bin.serial, bin.path.clone(), bin.dwarf, bin.cost);
         let mut misses: Vec<u64> = offsets
             .iter()
             .copied()
@@ -344,10 +359,7 @@ impl Symbolizer {
         let mut fresh: HashMap<u64, Option<Lines>> = HashMap::new();
         if !misses.is_empty() {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
-            let dwarf = debug_bytes > 0 && debug_bytes <= self.limits.debuginfo_bytes;
-            if dwarf {
-                self.make_room(debug_bytes, id);
-            }
+            self.make_room(cost, id);
             let mut elf = Elf::new(path.clone());
             elf.debug_syms = dwarf;
             let src = Source::Elf(elf);
@@ -357,21 +369,25 @@ impl Symbolizer {
                     .symbolize(&src, Input::FileOffset(&misses))
                     .map(|r| r.into_iter().map(owned_lines).collect::<Vec<_>>())
             });
-            if let Some(bin) = self.binaries.peek_mut(id) {
-                if dwarf && !bin.dwarf_held {
-                    bin.dwarf_held = true;
-                    self.debug_bytes_held += debug_bytes;
-                    if bin.dwarf_dropped {
-                        Metrics::inc(&self.metrics.debuginfo_reparses);
+            if cost > self.limits.budget_bytes {
+                // Larger than the whole budget: parsed for this round only.
+                Metrics::inc(&self.metrics.symbol_parses_transient);
+                self.forget_parsed(&path);
+            } else if let Some(bin) = self.binaries.peek_mut(id) {
+                if !bin.held {
+                    bin.held = true;
+                    self.bytes_held += cost;
+                    if bin.dropped {
+                        Metrics::inc(&self.metrics.symbol_reparses);
                     }
                 }
             }
             let Some(result) = result else {
                 if let Some(bin) = self.binaries.peek_mut(id) {
                     bin.poisoned = true;
-                    if bin.dwarf_held {
-                        bin.dwarf_held = false;
-                        self.debug_bytes_held -= debug_bytes;
+                    if bin.held {
+                        bin.held = false;
+                        self.bytes_held -= cost;
                     }
                 }
                 self.panicked(Some(id));
@@ -415,6 +431,8 @@ struct ElfFacts {
     symtab: bool,
     /// Uncompressed size of its DWARF sections (`.debug_*`, `.zdebug_*`).
     debug_bytes: u64,
+    /// Size of its symbol and string tables (`.symtab`, `.strtab`, `.dynsym`, `.dynstr`).
+    sym_bytes: u64,
 }
 
 /// Reads only the ELF and section headers (through a read cache, never the whole file).
@@ -425,11 +443,13 @@ fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
         let mut facts = ElfFacts {
             symtab: false,
             debug_bytes: 0,
+            sym_bytes: 0,
         };
         for s in o.sections() {
             let name = s.name().unwrap_or_default();
-            if name == ".symtab" {
-                facts.symtab = true;
+            if matches!(name, ".symtab" | ".strtab" | ".dynsym" | ".dynstr") {
+                facts.symtab |= name == ".symtab";
+                facts.sym_bytes = facts.sym_bytes.saturating_add(s.size());
             } else if name.starts_with(".debug_") || name.starts_with(".zdebug_") {
                 let size = s
                     .compressed_file_range()
