@@ -563,6 +563,72 @@ mod tests {
         );
     }
 
+    /// File offset of code in this test binary.
+    fn own_offset(addr: usize) -> u64 {
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for line in maps.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 6 || std::path::Path::new(f[5]) != exe {
+                continue;
+            }
+            let (a, b) = f[0].split_once('-').unwrap();
+            let (start, end) = (
+                usize::from_str_radix(a, 16).unwrap(),
+                usize::from_str_radix(b, 16).unwrap(),
+            );
+            if (start..end).contains(&addr) {
+                return (addr - start) as u64 + u64::from_str_radix(f[2], 16).unwrap();
+            }
+        }
+        panic!("{addr:#x} not in {}", exe.display());
+    }
+
+    #[inline(never)]
+    fn marker_function() -> u64 {
+        std::hint::black_box(42)
+    }
+
+    fn symbolize_self(budget_bytes: u64) -> (Option<Lines>, Symbolizer, Arc<Metrics>) {
+        let metrics = Arc::new(Metrics::default());
+        let limits = Limits {
+            budget_bytes,
+            ..Limits::default()
+        };
+        let mut sym = Symbolizer::new(limits, metrics.clone());
+        let id = sym
+            .load(std::fs::File::open("/proc/self/exe").unwrap().into())
+            .unwrap();
+        marker_function();
+        let off = own_offset(marker_function as usize);
+        let lines = sym.symbolize(&id, &[off]).remove(0);
+        (lines, sym, metrics)
+    }
+
+    #[test]
+    fn within_the_budget_frames_have_lines_and_the_parse_is_held() {
+        let (lines, sym, _) = symbolize_self(u64::MAX);
+        let lines = lines.expect("named");
+        assert!(lines.last().unwrap().function.contains("marker_function"));
+        assert!(lines
+            .iter()
+            .any(|l| l.file.ends_with("mod.rs") && l.line > 0));
+        assert!(sym.bytes_held() > 0);
+    }
+
+    #[test]
+    fn over_the_budget_frames_are_named_from_the_symbol_table_and_nothing_is_held() {
+        let (lines, sym, metrics) = symbolize_self(0);
+        let lines = lines.expect("named from .symtab");
+        assert_eq!(lines.len(), 1, "no inline frames without DWARF");
+        assert!(lines[0].function.contains("marker_function"));
+        assert_eq!(&*lines[0].file, "");
+        assert_eq!(sym.bytes_held(), 0);
+        let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(n(&metrics.binaries_over_symbol_budget), 1);
+        assert_eq!(n(&metrics.symbol_parses_transient), 1);
+    }
+
     #[test]
     fn symtab_detection() {
         let me = std::fs::File::open("/proc/self/exe").unwrap();
