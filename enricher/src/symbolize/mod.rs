@@ -600,7 +600,7 @@ mod tests {
             .load(std::fs::File::open("/proc/self/exe").unwrap().into())
             .unwrap();
         marker_function();
-        let off = own_offset(marker_function as usize);
+        let off = own_offset(marker_function as *const () as usize);
         let lines = sym.symbolize(&id, &[off]).remove(0);
         (lines, sym, metrics)
     }
