@@ -359,7 +359,11 @@ impl Symbolizer {
         let mut fresh: HashMap<u64, Option<Lines>> = HashMap::new();
         if !misses.is_empty() {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
-            self.make_room(cost, id);
+            if cost <= self.limits.budget_bytes {
+                // (A parse larger than the whole budget is dropped right after; making
+                // room for it would only make the others parse again.)
+                self.make_room(cost, id);
+            }
             let mut elf = Elf::new(path.clone());
             elf.debug_syms = dwarf;
             let src = Source::Elf(elf);
