@@ -69,6 +69,82 @@ pub struct Args {
           value_parser = clap::value_parser!(u64).range(1..))]
     pub unwind_min_samples: u64,
 
+    /// Send every round to an OTLP profiles backend over gRPC
+    /// (`ProfilesService/Export`, proto v1development): the OpenTelemetry Collector,
+    /// Grafana Pyroscope, Parca. http://host:port is plain, https://host:port is TLS
+    /// with the system's roots (or --otlp-ca-file).
+    #[arg(long, env = "FIRN_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// A header for every OTLP request, as KEY=VALUE (e.g. authorization=Bearer …);
+    /// repeatable. Values are never logged.
+    #[arg(long = "otlp-header", env = "FIRN_OTLP_HEADERS", value_delimiter = ',')]
+    pub otlp_headers: Vec<String>,
+
+    /// PEM CA certificate(s) to verify an https:// OTLP endpoint with, instead of the
+    /// system's roots.
+    #[arg(long, env = "FIRN_OTLP_CA_FILE")]
+    pub otlp_ca_file: Option<PathBuf>,
+
+    /// Send every round to a Parca server (`ProfileStoreService/WriteRaw`), as
+    /// host:port. TLS unless --parca-insecure.
+    #[arg(long, env = "FIRN_PARCA_ADDRESS")]
+    pub parca_address: Option<String>,
+
+    /// Plain gRPC to Parca (no TLS).
+    #[arg(long, env = "FIRN_PARCA_INSECURE")]
+    pub parca_insecure: bool,
+
+    /// File holding the bearer token for Parca (e.g. Polar Signals Cloud). Read at
+    /// start and on SIGHUP; never logged.
+    #[arg(long, env = "FIRN_PARCA_BEARER_TOKEN_FILE")]
+    pub parca_bearer_token_file: Option<PathBuf>,
+
+    /// PEM CA certificate(s) to verify Parca's TLS certificate with, instead of the
+    /// system's roots.
+    #[arg(long, env = "FIRN_PARCA_CA_FILE")]
+    pub parca_ca_file: Option<PathBuf>,
+
+    /// Upload binaries to Parca's debuginfo service: `on` those whose frames firn
+    /// could not name (stripped), `all` every binary with a build id the server lacks,
+    /// `off` none.
+    #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD", value_enum,
+          default_value_t = crate::upload::debuginfo::Mode::On)]
+    pub debuginfo_upload: crate::upload::debuginfo::Mode,
+
+    /// Debuginfo uploads at once.
+    #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD_CONCURRENCY", default_value_t = 2,
+          value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub debuginfo_upload_concurrency: u32,
+
+    /// Bytes per second of debuginfo upload, over all uploads (e.g. 4MiB).
+    #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD_RATE", default_value = "4MiB", value_parser = parse_bytes)]
+    pub debuginfo_upload_rate: u64,
+
+    /// Where upload sinks keep requests their backend has not taken yet (one folder
+    /// per sink); default: .spool under --output-dir.
+    #[arg(long, env = "FIRN_UPLOAD_SPOOL_DIR")]
+    pub upload_spool_dir: Option<PathBuf>,
+
+    /// Bytes of unsent requests each upload sink keeps on disk; past it the oldest are
+    /// dropped (and counted). 0 keeps nothing on disk.
+    #[arg(long, env = "FIRN_UPLOAD_SPOOL_SIZE", default_value = "256MiB", value_parser = parse_bytes)]
+    pub upload_spool_size: u64,
+
+    /// Bytes of unsent requests each upload sink keeps in memory before spooling the
+    /// oldest to disk.
+    #[arg(long, env = "FIRN_UPLOAD_MEMORY", default_value = "4MiB", value_parser = parse_bytes)]
+    pub upload_memory: u64,
+
+    /// Longest wait for a backend's answer to one request (e.g. 30s).
+    #[arg(long, env = "FIRN_UPLOAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub upload_timeout: Duration,
+
+    /// Longest wait between retries while a backend fails (backoff doubles from 1s,
+    /// with jitter).
+    #[arg(long, env = "FIRN_UPLOAD_BACKOFF_MAX", default_value = "60s", value_parser = parse_duration)]
+    pub upload_backoff_max: Duration,
+
     /// Value of the `node` label; default: the sampler's host name.
     #[arg(long, env = "FIRN_NODE")]
     pub node: Option<String>,

@@ -44,6 +44,21 @@ pub struct FileConfig {
     pub kubernetes: Option<bool>,
     pub kubeconfig: Option<PathBuf>,
     pub log: Option<String>,
+    pub otlp_endpoint: Option<String>,
+    pub otlp_headers: Option<Vec<String>>,
+    pub otlp_ca_file: Option<PathBuf>,
+    pub parca_address: Option<String>,
+    pub parca_insecure: Option<bool>,
+    pub parca_bearer_token_file: Option<PathBuf>,
+    pub parca_ca_file: Option<PathBuf>,
+    pub debuginfo_upload: Option<crate::upload::debuginfo::Mode>,
+    pub debuginfo_upload_concurrency: Option<u32>,
+    pub debuginfo_upload_rate: Option<String>,
+    pub upload_spool_dir: Option<PathBuf>,
+    pub upload_spool_size: Option<String>,
+    pub upload_memory: Option<String>,
+    pub upload_timeout: Option<String>,
+    pub upload_backoff_max: Option<String>,
     pub relabel_configs: Option<Vec<RuleConfig>>,
     #[serde(default)]
     pub external_labels: BTreeMap<String, String>,
@@ -100,6 +115,9 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
         ("retention_size", &file.retention_size),
         ("min_free", &file.min_free),
         ("symbol_budget", &file.symbol_budget),
+        ("debuginfo_upload_rate", &file.debuginfo_upload_rate),
+        ("upload_spool_size", &file.upload_spool_size),
+        ("upload_memory", &file.upload_memory),
     ] {
         if let Some(v) = key {
             cli::parse_bytes(v).map_err(|m| {
@@ -110,16 +128,30 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
             })?;
         }
     }
-    if let Some(v) = &file.retention_age {
-        cli::parse_duration(v).map_err(|m| {
-            invalid(
+    for (name, key) in [
+        ("retention_age", &file.retention_age),
+        ("upload_timeout", &file.upload_timeout),
+        ("upload_backoff_max", &file.upload_backoff_max),
+    ] {
+        if let Some(v) = key {
+            cli::parse_duration(v).map_err(|m| {
+                invalid(
+                    path,
+                    format!("{name}: {m} (line {})", line_of(text, name).unwrap_or(0)),
+                )
+            })?;
+        }
+    }
+    if let Some(n) = file.debuginfo_upload_concurrency {
+        if !(1..=16).contains(&n) {
+            return Err(invalid(
                 path,
                 format!(
-                    "retention_age: {m} (line {})",
-                    line_of(text, "retention_age").unwrap_or(0)
+                    "debuginfo_upload_concurrency: {n} is not in 1..=16 (line {})",
+                    line_of(text, "debuginfo_upload_concurrency").unwrap_or(0)
                 ),
-            )
-        })?;
+            ));
+        }
     }
     Ok((file, labeling))
 }
@@ -174,4 +206,26 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     if default("node") && file.node.is_some() {
         args.node = file.node.clone();
     }
+    macro_rules! take_opt {
+        ($field:ident) => {
+            if default(stringify!($field)) && file.$field.is_some() {
+                args.$field = file.$field.clone();
+            }
+        };
+    }
+    take_opt!(otlp_endpoint);
+    take_opt!(otlp_ca_file);
+    take_opt!(parca_address);
+    take_opt!(parca_bearer_token_file);
+    take_opt!(parca_ca_file);
+    take_opt!(upload_spool_dir);
+    take!(otlp_headers);
+    take!(parca_insecure);
+    take!(debuginfo_upload);
+    take!(debuginfo_upload_concurrency);
+    take!(debuginfo_upload_rate, cli::parse_bytes);
+    take!(upload_spool_size, cli::parse_bytes);
+    take!(upload_memory, cli::parse_bytes);
+    take!(upload_timeout, cli::parse_duration);
+    take!(upload_backoff_max, cli::parse_duration);
 }

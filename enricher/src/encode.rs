@@ -29,7 +29,9 @@ pub enum ProfileBy {
 
 const PROCESS_LABELS: &[&str] = &["pid", "comm", "executable", "thread_id", "thread_name"];
 
-pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
+/// A round's stacks grouped by what one profile covers: each group's label set and the
+/// indices of its stacks in `round.stacks`. Every sink groups alike.
+pub fn groups(round: &Round, by: ProfileBy) -> Vec<(Arc<LabelSet>, Vec<usize>)> {
     let mut groups: HashMap<(Arc<LabelSet>, u64), Vec<usize>> = HashMap::new();
     let mut reduced: HashMap<Arc<LabelSet>, Arc<LabelSet>> = HashMap::new();
     for (i, s) in round.stacks.iter().enumerate() {
@@ -54,8 +56,13 @@ pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
         };
         groups.entry(key).or_default().push(i);
     }
+    groups.into_iter().map(|((l, _), idx)| (l, idx)).collect()
+}
+
+pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
+    let groups = groups(round, by);
     let mut out = Vec::with_capacity(groups.len());
-    for ((labels, _), idx) in groups {
+    for (labels, idx) in groups {
         let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));

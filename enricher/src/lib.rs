@@ -17,3 +17,4 @@ pub mod sinks;
 pub mod summary;
 pub mod symbolize;
 pub mod unwind;
+pub mod upload;

@@ -17,6 +17,7 @@ use firn_enricher::client::Event;
 use firn_enricher::enrich::{Enricher, Round};
 use firn_enricher::metrics::Metrics;
 use firn_enricher::sinks::local::{Item, LocalSink, Settings};
+use firn_enricher::upload::Uploads;
 
 fn main() -> ExitCode {
     let matches = <cli::Args as clap::CommandFactory>::command().get_matches();
@@ -155,7 +156,14 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         }
         let mut enricher = Enricher::new(symbolizer, labeler, metrics.clone());
         enricher.unwind_min_samples = args.unwind_min_samples;
-        Some((enricher, sink))
+        let uploads = match Uploads::start(&args, metrics.clone()) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::error!("{e}");
+                return ExitCode::from(2);
+            }
+        };
+        Some((enricher, sink, uploads))
     };
     let mut broker: Option<Rc<Broker>> = None;
     // The sampler counts drops per subscription, cumulatively; this is the last count.
@@ -172,10 +180,13 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
             _ = tokio::signal::ctrl_c() => break,
             _ = hup.recv() => {
                 reload(&args, pipeline.as_mut().map(|p| &mut p.0), &metrics);
+                if let Some(p) = &pipeline {
+                    p.2.reload();
+                }
                 continue;
             }
         };
-        let Some((enricher, sink)) = pipeline.as_mut() else {
+        let Some((enricher, sink, uploads)) = pipeline.as_mut() else {
             summary::print(&ev);
             continue;
         };
@@ -203,7 +214,13 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
                     *s = batch.counters.clone();
                 }
                 let round = enricher.handle(batch, broker.as_deref()).await;
-                write(round, args.profile_by, sink, &http, &metrics);
+                let out = Out {
+                    sink,
+                    http: &http,
+                    uploads,
+                    symbolizer: &enricher.symbolizer,
+                };
+                write(round, args.profile_by, out, &metrics);
                 // A round's transient memory (the batch, unwind tables being built, the
                 // encoded profiles) is free now: give its pages back rather than let the
                 // heap keep its high-water mark until the next burst.
@@ -213,18 +230,31 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         }
     }
     tracing::info!("stopping");
+    if let Some(p) = &pipeline {
+        p.2.shutdown();
+    }
     ExitCode::SUCCESS
 }
 
-/// One pprof per label set (per process for now), to disk and to the HTTP view.
-fn write(
-    round: Round,
-    by: firn_enricher::encode::ProfileBy,
-    sink: &mut LocalSink,
-    http: &http::Shared,
-    metrics: &Metrics,
-) {
+/// Where a round's profiles go.
+struct Out<'a> {
+    sink: &'a mut LocalSink,
+    http: &'a http::Shared,
+    uploads: &'a Uploads,
+    symbolizer: &'a symbolize::Symbolizer,
+}
+
+/// One pprof per label set (per process for now), to disk, to the HTTP view and to the
+/// upload sinks.
+fn write(round: Round, by: firn_enricher::encode::ProfileBy, out: Out<'_>, metrics: &Metrics) {
+    let Out {
+        sink,
+        http,
+        uploads,
+        symbolizer,
+    } = out;
     let encoded = firn_enricher::encode::per_label_set(&round, by);
+    uploads.round(&round, &encoded, symbolizer);
     let mut items = Vec::with_capacity(encoded.len());
     let mut latest = Vec::with_capacity(encoded.len());
     // Names must be unique within a round: one pid can be two processes in a round

@@ -24,6 +24,8 @@ macro_rules! metrics {
             pub symbol_bytes_held: AtomicU64,
             /// Named frames in the symbolizer's frame cache (gauge).
             pub symbol_frames_cached: AtomicU64,
+            /// Delivery counters of the upload sinks (OTLP, Parca).
+            pub sinks: Mutex<Vec<std::sync::Arc<crate::upload::SinkMetrics>>>,
         }
 
         impl Metrics {
@@ -50,6 +52,9 @@ macro_rules! metrics {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
                     let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
                     let _ = writeln!(out, "firn_enricher_{name} {}", v.load(Ordering::Relaxed));
+                }
+                if let Ok(s) = self.sinks.lock() {
+                    crate::upload::SinkMetrics::render(&s, &mut out);
                 }
                 if let Ok(s) = self.sampler.lock() {
                     for (name, value) in s.iter() {
@@ -117,6 +122,12 @@ metrics! {
     unwind_tables_refused: "unwind tables the sampler refused (see log: budget, owner, rate)",
     unwind_table_send_errors: "unwind tables whose sending failed in transport",
     user_stacks_incomplete: "user stacks the unwinder ended early (a marker frame names why)",
+    debuginfo_uploaded: "binaries uploaded to Parca as debuginfo",
+    debuginfo_upload_bytes: "bytes of debuginfo uploaded to Parca",
+    debuginfo_already_present: "binaries Parca already had debuginfo for (not uploaded)",
+    debuginfo_upload_errors: "debuginfo uploads that failed (retried later)",
+    debuginfo_skipped: "binaries not uploaded: too large, or the server asked for a signed-URL upload",
+    upload_token_reload_errors: "bearer token files that could not be read again on SIGHUP (the previous token stays)",
 }
 
 impl Metrics {

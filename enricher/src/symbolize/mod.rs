@@ -116,7 +116,7 @@ const DEBUG_DIRS: [&str; 2] = ["/usr/lib/debug", "/lib/debug"];
 
 struct Loaded {
     /// Keeps `/proc/self/fd/N` naming this file while blazesym may open it.
-    _fd: OwnedFd,
+    fd: OwnedFd,
     path: PathBuf,
     /// Frames are cached under this number (never reused), not the id.
     serial: u64,
@@ -177,6 +177,12 @@ impl Symbolizer {
 
     pub fn build_id(&self, id: &BinaryId) -> Option<&[u8]> {
         self.binaries.peek(id).and_then(|b| b.build_id.as_deref())
+    }
+
+    /// A new handle on a cached binary's file, by its build id (for debuginfo upload).
+    pub fn binary_file(&self, build_id: &[u8]) -> Option<std::fs::File> {
+        let b = self.binaries.peek(&BinaryId::BuildId(build_id.to_vec()))?;
+        b.fd.try_clone().ok().map(std::fs::File::from)
     }
 
     /// Whether the binary lacks a symbol table (`.symtab`).
@@ -258,7 +264,7 @@ impl Symbolizer {
         }
         self.next_serial += 1;
         let loaded = Loaded {
-            _fd: fd,
+            fd,
             path,
             serial: self.next_serial,
             build_id,
@@ -493,6 +499,17 @@ fn separate_debug_bytes(build_id: &[u8]) -> u64 {
 
 pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of a hex string (None: odd length or not hex).
+pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn file_of(ci: Option<&CodeInfo<'_>>) -> (Arc<str>, u32) {

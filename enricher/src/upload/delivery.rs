@@ -1,0 +1,593 @@
+//! Delivery of one sink's requests: a bounded memory queue, a bounded on-disk spool
+//! behind it, and one sender that delivers in order with capped, jittered backoff.
+//!
+//! Requests are delivered oldest first, one at a time, so the ids of delivered requests
+//! only grow: the spool keeps the last one (`delivered`) and, after a restart, skips
+//! spooled requests at or below it. A request whose acknowledgement was lost when the
+//! enricher died is the one that can arrive twice (OTLP profiles carry a stable
+//! `profile_id` a backend can deduplicate with).
+
+use std::cell::RefCell;
+use std::collections::VecDeque;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use super::{SendError, SinkMetrics};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpoolError {
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("a request of {size} bytes is larger than the whole spool ({max} bytes)")]
+    TooLarge { size: u64, max: u64 },
+}
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SpoolError + 'a {
+    move |source| SpoolError::Io {
+        what,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// One request: its id (see [`super::request_id`]) and its encoded bytes.
+#[derive(Clone)]
+pub struct Request {
+    pub id: String,
+    pub body: Arc<Vec<u8>>,
+}
+
+/// Sends one encoded request; the future ends when the backend answered.
+pub trait Transport {
+    fn send(&self, body: Arc<Vec<u8>>) -> Pin<Box<dyn Future<Output = Result<(), SendError>>>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Bytes kept in memory before the oldest go to the spool.
+    pub memory_bytes: u64,
+    /// Bytes kept on disk; past it the oldest spooled request is dropped.
+    pub spool_bytes: u64,
+    /// Longest wait for one call's answer.
+    pub call_timeout: Duration,
+    /// First wait after a failure; it doubles up to `backoff_max`.
+    pub backoff_min: Duration,
+    pub backoff_max: Duration,
+}
+
+/// The on-disk spool: one file per request, named by its id.
+struct Spool {
+    dir: PathBuf,
+    max_bytes: u64,
+    entries: VecDeque<(String, u64)>,
+    bytes: u64,
+    delivered: Option<String>,
+}
+
+const SUFFIX: &str = ".req";
+
+impl Spool {
+    /// Opens (creating) the spool; requests at or below the delivered mark and half-written
+    /// files are removed.
+    fn open(dir: &Path, max_bytes: u64) -> Result<Spool, SpoolError> {
+        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        let mark = dir.join("delivered");
+        let delivered = std::fs::read_to_string(&mark)
+            .ok()
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty());
+        let mut entries = Vec::new();
+        for e in std::fs::read_dir(dir)
+            .map_err(io("listing", dir))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".tmp-") {
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
+            let Some(id) = name.strip_suffix(SUFFIX) else {
+                continue;
+            };
+            if delivered.as_deref().is_some_and(|d| id <= d) {
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            }
+            let size = e.metadata().map(|m| m.len()).unwrap_or(0);
+            entries.push((id.to_string(), size));
+        }
+        entries.sort();
+        let bytes = entries.iter().map(|e| e.1).sum();
+        Ok(Spool {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            entries: entries.into(),
+            bytes,
+            delivered,
+        })
+    }
+
+    fn path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}{SUFFIX}"))
+    }
+
+    /// Writes a request; the oldest spooled requests make room (returned, to be counted
+    /// as dropped).
+    fn push(&mut self, r: &Request) -> Result<usize, SpoolError> {
+        let size = r.body.len() as u64;
+        if size > self.max_bytes {
+            return Err(SpoolError::TooLarge {
+                size,
+                max: self.max_bytes,
+            });
+        }
+        let mut evicted = 0;
+        while self.bytes + size > self.max_bytes {
+            let Some((id, _)) = self.entries.front().cloned() else {
+                break;
+            };
+            self.remove(&id);
+            evicted += 1;
+        }
+        let tmp = self.dir.join(format!(".tmp-{}", r.id));
+        let fin = self.path(&r.id);
+        let written = std::fs::write(&tmp, r.body.as_slice())
+            .map_err(io("writing", &tmp))
+            .and_then(|()| std::fs::rename(&tmp, &fin).map_err(io("renaming", &fin)));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        self.entries.push_back((r.id.clone(), size));
+        self.bytes += size;
+        Ok(evicted)
+    }
+
+    fn read(&self, id: &str) -> Result<Vec<u8>, SpoolError> {
+        let p = self.path(id);
+        std::fs::read(&p).map_err(io("reading", &p))
+    }
+
+    fn remove(&mut self, id: &str) -> bool {
+        let Some(i) = self.entries.iter().position(|e| e.0 == id) else {
+            return false;
+        };
+        if let Some((_, size)) = self.entries.remove(i) {
+            self.bytes -= size;
+        }
+        let _ = std::fs::remove_file(self.path(id));
+        true
+    }
+
+    fn mark_delivered(&mut self, id: &str) -> Result<(), SpoolError> {
+        if self.delivered.as_deref().is_some_and(|d| d >= id) {
+            return Ok(());
+        }
+        let tmp = self.dir.join(".tmp-delivered");
+        let fin = self.dir.join("delivered");
+        std::fs::write(&tmp, id).map_err(io("writing", &tmp))?;
+        std::fs::rename(&tmp, &fin).map_err(io("renaming", &fin))?;
+        self.delivered = Some(id.to_string());
+        Ok(())
+    }
+}
+
+struct Queue {
+    memory: VecDeque<Request>,
+    memory_bytes: u64,
+    /// None: the spool directory could not be opened (memory only, said at start).
+    spool: Option<Spool>,
+}
+
+/// Where the oldest waiting request is.
+enum Head {
+    Memory(Request),
+    Disk(String),
+}
+
+pub struct Delivery {
+    name: &'static str,
+    limits: Limits,
+    queue: RefCell<Queue>,
+    wake: Notify,
+    pub metrics: Arc<SinkMetrics>,
+}
+
+impl Delivery {
+    /// A sink's queue with its spool under `dir`; requests spooled by an earlier run
+    /// and not yet delivered are sent first.
+    pub fn new(
+        name: &'static str,
+        dir: &Path,
+        limits: Limits,
+        metrics: Arc<SinkMetrics>,
+    ) -> Rc<Self> {
+        let spool = match Spool::open(dir, limits.spool_bytes) {
+            Ok(s) => {
+                if !s.entries.is_empty() {
+                    tracing::info!(
+                        sink = name,
+                        requests = s.entries.len(),
+                        bytes = s.bytes,
+                        "requests spooled by an earlier run will be sent first"
+                    );
+                }
+                Some(s)
+            }
+            Err(e) => {
+                SinkMetrics::inc(&metrics.spool_errors);
+                tracing::warn!(sink = name, error = %e, "no spool: requests wait in memory only while the backend is down");
+                None
+            }
+        };
+        let d = Rc::new(Self {
+            name,
+            limits,
+            queue: RefCell::new(Queue {
+                memory: VecDeque::new(),
+                memory_bytes: 0,
+                spool,
+            }),
+            wake: Notify::new(),
+            metrics,
+        });
+        d.gauges();
+        d
+    }
+
+    fn gauges(&self) {
+        let q = self.queue.borrow();
+        let m = &self.metrics;
+        SinkMetrics::set(&m.queue_requests, q.memory.len() as u64);
+        SinkMetrics::set(&m.queue_bytes, q.memory_bytes);
+        SinkMetrics::set(
+            &m.spool_requests,
+            q.spool.as_ref().map_or(0, |s| s.entries.len() as u64),
+        );
+        SinkMetrics::set(&m.spool_bytes, q.spool.as_ref().map_or(0, |s| s.bytes));
+    }
+
+    /// Queues a request; past the memory bound the oldest move to the spool.
+    pub fn push(&self, r: Request) {
+        {
+            let mut q = self.queue.borrow_mut();
+            q.memory_bytes += r.body.len() as u64;
+            q.memory.push_back(r);
+            while q.memory_bytes > self.limits.memory_bytes {
+                let Some(old) = q.memory.pop_front() else {
+                    break;
+                };
+                q.memory_bytes -= old.body.len() as u64;
+                self.spill(&mut q, &old);
+            }
+        }
+        self.gauges();
+        self.wake.notify_one();
+    }
+
+    /// Writes a request to the spool, or drops it (counted) when it cannot be.
+    fn spill(&self, q: &mut Queue, r: &Request) {
+        let m = &self.metrics;
+        let Some(spool) = q.spool.as_mut() else {
+            SinkMetrics::inc(&m.dropped);
+            tracing::warn!(sink = self.name, id = %r.id, "memory queue full and no spool: oldest request dropped");
+            return;
+        };
+        match spool.push(r) {
+            Ok(evicted) => {
+                SinkMetrics::inc(&m.spooled);
+                if evicted > 0 {
+                    SinkMetrics::add(&m.dropped, evicted as u64);
+                    tracing::warn!(
+                        sink = self.name,
+                        requests = evicted,
+                        "spool full (--upload-spool-size): oldest requests dropped"
+                    );
+                }
+            }
+            Err(e) => {
+                SinkMetrics::inc(&m.spool_errors);
+                SinkMetrics::inc(&m.dropped);
+                tracing::warn!(sink = self.name, id = %r.id, error = %e, "request could not be spooled: dropped");
+            }
+        }
+    }
+
+    /// Moves every request waiting in memory to the spool (at shutdown, so that a
+    /// restart sends them).
+    pub fn flush_to_spool(&self) {
+        {
+            let mut q = self.queue.borrow_mut();
+            while let Some(r) = q.memory.pop_front() {
+                q.memory_bytes -= r.body.len() as u64;
+                self.spill(&mut q, &r);
+            }
+        }
+        self.gauges();
+    }
+
+    fn head(&self) -> Option<Head> {
+        let q = self.queue.borrow();
+        if let Some((id, _)) = q.spool.as_ref().and_then(|s| s.entries.front()) {
+            return Some(Head::Disk(id.clone()));
+        }
+        q.memory.front().cloned().map(Head::Memory)
+    }
+
+    /// Removes a request wherever it is now (it may have moved to the spool, or been
+    /// dropped for room, while it was being sent).
+    fn remove(&self, id: &str) {
+        let mut q = self.queue.borrow_mut();
+        if q.memory.front().is_some_and(|r| r.id == id) {
+            if let Some(r) = q.memory.pop_front() {
+                q.memory_bytes -= r.body.len() as u64;
+            }
+        } else if let Some(s) = q.spool.as_mut() {
+            s.remove(id);
+        }
+    }
+
+    fn delivered(&self, id: &str) {
+        self.remove(id);
+        let mut q = self.queue.borrow_mut();
+        if let Some(s) = q.spool.as_mut() {
+            if let Err(e) = s.mark_delivered(id) {
+                SinkMetrics::inc(&self.metrics.spool_errors);
+                tracing::warn!(sink = self.name, error = %e, "writing the delivered mark (a restart may send this request again)");
+            }
+        }
+    }
+
+    /// The sender: runs for the life of the enricher.
+    pub async fn run(self: Rc<Self>, transport: Rc<dyn Transport>) {
+        let m = self.metrics.clone();
+        let mut backoff = self.limits.backoff_min;
+        let mut jitter = Jitter::seeded();
+        let mut failing_since: Option<std::time::Instant> = None;
+        loop {
+            let Some(head) = self.head() else {
+                self.wake.notified().await;
+                continue;
+            };
+            let (id, body) = match head {
+                Head::Memory(r) => (r.id, r.body),
+                Head::Disk(id) => {
+                    let read = self.queue.borrow().spool.as_ref().map(|s| s.read(&id));
+                    match read {
+                        Some(Ok(b)) => (id, Arc::new(b)),
+                        other => {
+                            if let Some(Err(e)) = other {
+                                tracing::warn!(sink = self.name, error = %e, "spooled request unreadable: dropped");
+                            }
+                            SinkMetrics::inc(&m.spool_errors);
+                            SinkMetrics::inc(&m.dropped);
+                            self.remove(&id);
+                            self.gauges();
+                            continue;
+                        }
+                    }
+                }
+            };
+            let len = body.len() as u64;
+            let sent = tokio::time::timeout(self.limits.call_timeout, transport.send(body)).await;
+            let outcome = match sent {
+                Ok(r) => r,
+                Err(_) => Err(SendError::Retry(format!(
+                    "no answer within {:?} (--upload-timeout)",
+                    self.limits.call_timeout
+                ))),
+            };
+            match outcome {
+                Ok(()) => {
+                    self.delivered(&id);
+                    SinkMetrics::inc(&m.requests_sent);
+                    SinkMetrics::add(&m.bytes_sent, len);
+                    SinkMetrics::set(&m.last_success_seconds, unix_seconds());
+                    SinkMetrics::set(&m.failing, 0);
+                    backoff = self.limits.backoff_min;
+                    if let Some(t) = failing_since.take() {
+                        tracing::info!(
+                            sink = self.name,
+                            after_seconds = t.elapsed().as_secs(),
+                            "backend reachable again; delivering the queue"
+                        );
+                    }
+                }
+                Err(SendError::Reject(msg)) => {
+                    self.remove(&id);
+                    SinkMetrics::inc(&m.rejected);
+                    tracing::warn!(sink = self.name, id = %id, error = %msg, "backend rejected a request; dropped");
+                }
+                Err(SendError::Retry(msg)) => {
+                    SinkMetrics::inc(&m.retries);
+                    SinkMetrics::set(&m.failing, 1);
+                    if failing_since.is_none() {
+                        failing_since = Some(std::time::Instant::now());
+                        tracing::warn!(sink = self.name, error = %msg, "backend failing; requests wait (memory, then spool) and are retried with backoff");
+                    } else {
+                        tracing::debug!(sink = self.name, error = %msg, "retry failed");
+                    }
+                    tokio::time::sleep(jitter.around(backoff)).await;
+                    backoff = (backoff * 2).min(self.limits.backoff_max);
+                }
+            }
+            self.gauges();
+        }
+    }
+}
+
+fn unix_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// ±25 % jitter so that many nodes do not retry in step (xorshift; no need for more).
+struct Jitter(u64);
+
+impl Jitter {
+    fn seeded() -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self(t | 1)
+    }
+
+    fn around(&mut self, d: Duration) -> Duration {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        let f = 0.75 + (self.0 % 1000) as f64 / 2000.0;
+        d.mul_f64(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn limits(memory: u64, spool: u64) -> Limits {
+        Limits {
+            memory_bytes: memory,
+            spool_bytes: spool,
+            call_timeout: Duration::from_secs(5),
+            backoff_min: Duration::from_millis(10),
+            backoff_max: Duration::from_millis(40),
+        }
+    }
+
+    fn req(i: u64, size: usize) -> Request {
+        Request {
+            id: super::super::request_id(i * 1000, i),
+            body: Arc::new(vec![i as u8; size]),
+        }
+    }
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("firn-spool-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// Fails the first `fail` calls with the given error, then records bodies.
+    struct Fake {
+        fail: Cell<u32>,
+        reject: bool,
+        got: Rc<RefCell<Vec<u8>>>,
+    }
+
+    impl Transport for Fake {
+        fn send(&self, body: Arc<Vec<u8>>) -> Pin<Box<dyn Future<Output = Result<(), SendError>>>> {
+            let n = self.fail.get();
+            let got = self.got.clone();
+            let reject = self.reject;
+            if n > 0 {
+                self.fail.set(n - 1);
+            }
+            Box::pin(async move {
+                if n > 0 {
+                    return Err(if reject {
+                        SendError::Reject("bad".into())
+                    } else {
+                        SendError::Retry("down".into())
+                    });
+                }
+                got.borrow_mut().push(body[0]);
+                Ok(())
+            })
+        }
+    }
+
+    fn run_until(d: &Rc<Delivery>, fake: Fake, want: usize) -> Vec<u8> {
+        let got = fake.got.clone();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        let d = d.clone();
+        let seen = got.clone();
+        local.block_on(&rt, async move {
+            let task = tokio::task::spawn_local(d.run(Rc::new(fake)));
+            for _ in 0..500 {
+                if seen.borrow().len() >= want {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            task.abort();
+        });
+        let v = got.borrow().clone();
+        v
+    }
+
+    #[test]
+    fn memory_spills_to_spool_in_order_and_survives_a_restart() {
+        let dir = tmp("order");
+        let m = Arc::new(SinkMetrics::new("t"));
+        let d = Delivery::new("t", &dir, limits(250, 10_000), m.clone());
+        for i in 1..=5 {
+            d.push(req(i, 100));
+        }
+        // Memory holds two; three went to disk.
+        assert_eq!(
+            m.spool_requests.load(std::sync::atomic::Ordering::Relaxed),
+            3
+        );
+        d.flush_to_spool();
+        drop(d);
+        // A new run finds all five, delivers them in order after two failures.
+        let d = Delivery::new("t", &dir, limits(250, 10_000), m.clone());
+        let fake = Fake {
+            fail: Cell::new(2),
+            reject: false,
+            got: Default::default(),
+        };
+        assert_eq!(run_until(&d, fake, 5), vec![1, 2, 3, 4, 5]);
+        assert_eq!(m.retries.load(std::sync::atomic::Ordering::Relaxed), 2);
+        // Nothing is sent twice after another restart.
+        d.push(req(6, 100));
+        d.flush_to_spool();
+        drop(d);
+        let d = Delivery::new("t", &dir, limits(250, 10_000), m.clone());
+        let fake = Fake {
+            fail: Cell::new(0),
+            reject: false,
+            got: Default::default(),
+        };
+        assert_eq!(run_until(&d, fake, 1), vec![6]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn oldest_dropped_past_the_spool_bound_and_rejects_not_retried() {
+        let dir = tmp("bound");
+        let m = Arc::new(SinkMetrics::new("t"));
+        let d = Delivery::new("t", &dir, limits(0, 300), m.clone());
+        for i in 1..=5 {
+            d.push(req(i, 100));
+        }
+        assert_eq!(m.dropped.load(std::sync::atomic::Ordering::Relaxed), 2);
+        let fake = Fake {
+            fail: Cell::new(1),
+            reject: true,
+            got: Default::default(),
+        };
+        // 3 is rejected (not retried), 4 and 5 arrive.
+        assert_eq!(run_until(&d, fake, 2), vec![4, 5]);
+        assert_eq!(m.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(m.retries.load(std::sync::atomic::Ordering::Relaxed), 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,0 +1,338 @@
+//! Upload sinks: profiles sent to an OTLP profiles backend and to Parca, beside the local
+//! directory. Each sink encodes a round into one request, queues it (memory, then a
+//! bounded on-disk spool while the backend is down), and one sender task delivers the
+//! queue in order with capped, jittered backoff. Parca also gets the binaries it cannot
+//! symbolize (`debuginfo`).
+
+pub mod debuginfo;
+pub mod delivery;
+pub mod grpc;
+pub mod otlp;
+pub mod parca;
+pub mod parca_proto;
+
+use std::fmt::Write;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::cli::Args;
+use crate::encode::{Encoded, ProfileBy};
+use crate::enrich::Round;
+use crate::metrics::Metrics;
+use crate::profile::Frame;
+use crate::symbolize::Symbolizer;
+use delivery::{Delivery, Limits, Request};
+
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("--otlp-endpoint: {0}")]
+    Otlp(grpc::GrpcError),
+    #[error("--parca-address: {0}")]
+    Parca(grpc::GrpcError),
+    #[error("--parca-bearer-token-file: {0}")]
+    Token(parca::ParcaError),
+}
+
+/// The upload sinks that are on, fed once per round.
+pub struct Uploads {
+    by: ProfileBy,
+    otlp: Option<Rc<Delivery>>,
+    parca: Option<Rc<Delivery>>,
+    parca_token: Option<Rc<parca::Token>>,
+    debuginfo: Option<Rc<debuginfo::Debuginfo>>,
+    metrics: Arc<Metrics>,
+}
+
+impl Uploads {
+    /// Starts a sender per configured sink (inside the runtime: channels connect
+    /// lazily, so a backend that is down at start only delays delivery).
+    pub fn start(args: &Args, metrics: Arc<Metrics>) -> Result<Uploads, UploadError> {
+        let limits = Limits {
+            memory_bytes: args.upload_memory,
+            spool_bytes: args.upload_spool_size,
+            call_timeout: args.upload_timeout,
+            backoff_min: std::time::Duration::from_secs(1).min(args.upload_backoff_max),
+            backoff_max: args.upload_backoff_max,
+        };
+        let spool_root = args
+            .upload_spool_dir
+            .clone()
+            .unwrap_or_else(|| args.output_dir.join(".spool"));
+        let mut up = Uploads {
+            by: args.profile_by,
+            otlp: None,
+            parca: None,
+            parca_token: None,
+            debuginfo: None,
+            metrics: metrics.clone(),
+        };
+        let sink = |name: &'static str| {
+            let m = Arc::new(SinkMetrics::new(name));
+            if let Ok(mut all) = metrics.sinks.lock() {
+                all.push(m.clone());
+            }
+            m
+        };
+        if let Some(url) = &args.otlp_endpoint {
+            let channel = grpc::channel(url, args.otlp_ca_file.as_deref(), args.upload_timeout)
+                .map_err(UploadError::Otlp)?;
+            let headers = args
+                .otlp_headers
+                .iter()
+                .map(|h| grpc::header(h))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(UploadError::Otlp)?;
+            let m = sink("otlp");
+            let d = Delivery::new("otlp", &spool_root.join("otlp"), limits.clone(), m.clone());
+            let t = otlp::OtlpTransport {
+                channel,
+                headers: Rc::new(headers),
+                metrics: m,
+            };
+            tokio::task::spawn_local(d.clone().run(Rc::new(t)));
+            tracing::info!(endpoint = %url, spool = %spool_root.join("otlp").display(), "sending profiles to OTLP");
+            up.otlp = Some(d);
+        }
+        if let Some(addr) = &args.parca_address {
+            let url = match (addr.contains("://"), args.parca_insecure) {
+                (true, _) => addr.clone(),
+                (false, true) => format!("http://{addr}"),
+                (false, false) => format!("https://{addr}"),
+            };
+            let channel = grpc::channel(&url, args.parca_ca_file.as_deref(), args.upload_timeout)
+                .map_err(UploadError::Parca)?;
+            let token = parca::Token::new(args.parca_bearer_token_file.clone())
+                .map_err(UploadError::Token)?;
+            let d = Delivery::new("parca", &spool_root.join("parca"), limits, sink("parca"));
+            let t = parca::ParcaTransport {
+                channel: channel.clone(),
+                token: token.clone(),
+            };
+            tokio::task::spawn_local(d.clone().run(Rc::new(t)));
+            if args.debuginfo_upload != debuginfo::Mode::Off {
+                up.debuginfo = Some(debuginfo::Debuginfo::new(
+                    channel,
+                    token.clone(),
+                    debuginfo::Settings {
+                        mode: args.debuginfo_upload,
+                        concurrency: args.debuginfo_upload_concurrency as usize,
+                        rate: args.debuginfo_upload_rate,
+                    },
+                    metrics.clone(),
+                ));
+            }
+            tracing::info!(address = %url, debuginfo = ?args.debuginfo_upload, spool = %spool_root.join("parca").display(), "sending profiles to Parca");
+            up.parca = Some(d);
+            up.parca_token = Some(token);
+        }
+        Ok(up)
+    }
+
+    pub fn any(&self) -> bool {
+        self.otlp.is_some() || self.parca.is_some()
+    }
+
+    /// Encodes the round for each sink and queues it; offers Parca the binaries it
+    /// may need. `encoded` are the round's pprof profiles (the local sink's).
+    pub fn round(&self, round: &Round, encoded: &[Encoded], symbolizer: &Symbolizer) {
+        let id = request_id(round.end_ns, round.round);
+        if let Some(d) = &self.otlp {
+            if let Some(body) = otlp::encode(round, self.by) {
+                d.push(Request {
+                    id: id.clone(),
+                    body: Arc::new(body),
+                });
+            }
+        }
+        if let Some(d) = &self.parca {
+            if let Some(body) = parca::encode(encoded) {
+                d.push(Request {
+                    id,
+                    body: Arc::new(body),
+                });
+            }
+        }
+        if let Some(di) = &self.debuginfo {
+            self.offer_debuginfo(di, round, symbolizer);
+        }
+    }
+
+    fn offer_debuginfo(
+        &self,
+        di: &Rc<debuginfo::Debuginfo>,
+        round: &Round,
+        symbolizer: &Symbolizer,
+    ) {
+        let all = di.mode() == debuginfo::Mode::All;
+        let mut seen = std::collections::HashSet::new();
+        for s in &round.stacks {
+            for f in s.frames.iter() {
+                let Frame::User {
+                    mapping: Some(m),
+                    lines,
+                    ..
+                } = f
+                else {
+                    continue;
+                };
+                if m.build_id.is_empty() || (lines.is_some() && !all) {
+                    continue;
+                }
+                if !seen.insert(m.build_id.clone()) || !di.wants(&m.build_id) {
+                    continue;
+                }
+                let file =
+                    crate::symbolize::unhex(&m.build_id).and_then(|b| symbolizer.binary_file(&b));
+                match file {
+                    Some(file) => di.offer(m.build_id.to_string(), file),
+                    None => Metrics::inc(&self.metrics.debuginfo_skipped),
+                }
+            }
+        }
+    }
+
+    /// SIGHUP: reads token files again.
+    pub fn reload(&self) {
+        if let Some(t) = &self.parca_token {
+            if let Err(e) = t.reload() {
+                Metrics::inc(&self.metrics.upload_token_reload_errors);
+                tracing::warn!(error = %e, "bearer token not reloaded; the previous one stays");
+            }
+        }
+    }
+
+    /// At shutdown: what waits in memory goes to the spool, for the next run.
+    pub fn shutdown(&self) {
+        for d in self.otlp.iter().chain(self.parca.iter()) {
+            d.flush_to_spool();
+        }
+    }
+}
+
+/// Why a request did not arrive.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// The backend is down, slow or overloaded: keep the request and try again later.
+    #[error("{0} (will retry)")]
+    Retry(String),
+    /// The backend refused this request for what it holds: sending it again cannot
+    /// help, so it is dropped and counted.
+    #[error("{0} (rejected, not retried)")]
+    Reject(String),
+}
+
+macro_rules! sink_metrics {
+    ($($name:ident: $kind:literal, $help:literal,)*) => {
+        /// Delivery counters of one sink, rendered with a `sink` label on `/metrics`.
+        #[derive(Default)]
+        pub struct SinkMetrics {
+            pub sink: &'static str,
+            $(#[doc = $help] pub $name: AtomicU64,)*
+        }
+
+        impl SinkMetrics {
+            pub fn new(sink: &'static str) -> Self {
+                Self { sink, ..Default::default() }
+            }
+
+            /// Prometheus text for every sink; HELP and TYPE once per metric.
+            pub fn render(all: &[std::sync::Arc<SinkMetrics>], out: &mut String) {
+                if all.is_empty() {
+                    return;
+                }
+                $(
+                    let name = if $kind == "counter" {
+                        format!("firn_enricher_upload_{}_total", stringify!($name))
+                    } else {
+                        format!("firn_enricher_upload_{}", stringify!($name))
+                    };
+                    let _ = writeln!(out, "# HELP {name} {}", $help);
+                    let _ = writeln!(out, "# TYPE {name} {}", $kind);
+                    for m in all {
+                        let _ = writeln!(out, "{name}{{sink=\"{}\"}} {}", m.sink, m.$name.load(Ordering::Relaxed));
+                    }
+                )*
+            }
+        }
+    };
+}
+
+sink_metrics! {
+    requests_sent: "counter", "requests the backend accepted (one per round)",
+    bytes_sent: "counter", "bytes of accepted requests",
+    retries: "counter", "send attempts that failed and will be retried (backend down, slow, overloaded)",
+    rejected: "counter", "requests the backend refused as invalid (dropped, not retried)",
+    profiles_rejected: "counter", "profiles an OTLP backend reported as rejected in a partial success",
+    dropped: "counter", "requests dropped unsent: the oldest past the spool bound, or unwritable to the spool",
+    spooled: "counter", "requests written to the on-disk spool",
+    spool_errors: "counter", "spool writes or reads that failed (disk full, I/O error)",
+    encode_errors: "counter", "rounds that could not be encoded for this sink",
+    queue_requests: "gauge", "requests waiting in memory",
+    queue_bytes: "gauge", "bytes waiting in memory",
+    spool_requests: "gauge", "requests waiting in the on-disk spool",
+    spool_bytes: "gauge", "bytes waiting in the on-disk spool",
+    last_success_seconds: "gauge", "Unix time of the last accepted request (0: none yet)",
+    failing: "gauge", "1 while the backend is failing (requests wait and are retried)",
+}
+
+impl SinkMetrics {
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn set(c: &AtomicU64, n: u64) {
+        c.store(n, Ordering::Relaxed);
+    }
+}
+
+/// Prometheus label names: `[a-zA-Z_][a-zA-Z0-9_]*`; anything else becomes `_`.
+pub fn prometheus_name(name: &str) -> String {
+    let mut out: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if out.is_empty() || out.as_bytes()[0].is_ascii_digit() {
+        out.insert(0, '_');
+    }
+    out
+}
+
+/// A request's id: the round's end time and number, zero-padded so that ids sort in
+/// delivery order (the spool's delivered mark compares them).
+pub fn request_id(end_ns: u64, round: u64) -> String {
+    format!("{end_ns:020}-{round:08}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_ids() {
+        assert_eq!(prometheus_name("container_id"), "container_id");
+        assert_eq!(
+            prometheus_name("app.kubernetes.io/name"),
+            "app_kubernetes_io_name"
+        );
+        assert_eq!(prometheus_name("1x"), "_1x");
+        assert_eq!(prometheus_name(""), "_");
+        assert!(request_id(9, 2) < request_id(10, 1));
+        let mut out = String::new();
+        let m = std::sync::Arc::new(SinkMetrics::new("otlp"));
+        SinkMetrics::inc(&m.retries);
+        SinkMetrics::render(&[m], &mut out);
+        assert!(out.contains("firn_enricher_upload_retries_total{sink=\"otlp\"} 1"));
+        assert!(out.contains("# TYPE firn_enricher_upload_spool_bytes gauge"));
+    }
+}

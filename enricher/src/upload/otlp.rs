@@ -1,0 +1,479 @@
+//! OTLP profiles (`opentelemetry.proto.collector.profiles.v1development`, proto v1.10):
+//! one `Export` request per round, every profile of the round sharing one dictionary.
+//!
+//! Each firn profile (a label set) is one `ResourceProfiles` whose resource attributes
+//! follow the OpenTelemetry semantic conventions, with two profiles: `samples/count`
+//! and `cpu/nanoseconds` (a v1.10 profile holds one sample type). Symbolized frames
+//! carry function, file and line, inline frames as extra lines of one location (the
+//! caller last, as in pprof); unsymbolized frames keep their address and their
+//! mapping's GNU build id (`process.executable.build_id.gnu`) for the backend.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use opentelemetry_proto::tonic::collector::profiles::v1development::{
+    ExportProfilesServiceRequest, ExportProfilesServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::{any_value, AnyValue, InstrumentationScope, KeyValue};
+use opentelemetry_proto::tonic::profiles::v1development::{
+    Function, KeyValueAndUnit, Line, Link, Location, Mapping, Profile, ProfilesDictionary,
+    ResourceProfiles, Sample, ScopeProfiles, Stack, ValueType,
+};
+use opentelemetry_proto::tonic::resource::v1::Resource;
+use prost14::Message;
+use tonic::metadata::{AsciiMetadataKey, AsciiMetadataValue};
+use tonic::transport::Channel;
+
+use super::delivery::Transport;
+use super::grpc;
+use super::{SendError, SinkMetrics};
+use crate::encode::{self, ProfileBy};
+use crate::enrich::Round;
+use crate::profile::{Frame, LabelSet, MappingSpec};
+
+const EXPORT: &str = "/opentelemetry.proto.collector.profiles.v1development.ProfilesService/Export";
+const KERNEL_MAPPING: &str = "[kernel.kallsyms]";
+
+/// firn label → semantic-convention resource attribute; labels not listed here are
+/// sent as `firn.<label>`.
+const SEMCONV: &[(&str, &str)] = &[
+    ("node", "host.name"),
+    ("pid", "process.pid"),
+    ("executable", "process.executable.name"),
+    ("container_id", "container.id"),
+    ("pod", "k8s.pod.name"),
+    ("namespace", "k8s.namespace.name"),
+    ("container", "k8s.container.name"),
+    ("thread_id", "thread.id"),
+    ("thread_name", "thread.name"),
+];
+const INT_ATTRIBUTES: &[&str] = &["process.pid", "thread.id"];
+
+fn string_value(s: &str) -> AnyValue {
+    AnyValue {
+        value: Some(any_value::Value::StringValue(s.to_string())),
+    }
+}
+
+/// Resource attributes of one label set.
+pub fn resource_attributes(labels: &LabelSet) -> Vec<KeyValue> {
+    let get = |k: &str| labels.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    let mut out: Vec<KeyValue> = Vec::with_capacity(labels.len() + 2);
+    let mut push = |key: String, value: AnyValue| {
+        out.push(KeyValue {
+            key,
+            value: Some(value),
+            key_strindex: 0,
+        })
+    };
+    for (k, v) in labels {
+        let key = SEMCONV
+            .iter()
+            .find(|(l, _)| *l == k)
+            .map_or_else(|| format!("firn.{k}"), |(_, a)| a.to_string());
+        let value = match INT_ATTRIBUTES.contains(&key.as_str()) {
+            true => match v.parse::<i64>() {
+                Ok(n) => AnyValue {
+                    value: Some(any_value::Value::IntValue(n)),
+                },
+                Err(_) => string_value(v),
+            },
+            false => string_value(v),
+        };
+        push(key, value);
+    }
+    if get("pod").is_some() {
+        if let Some(node) = get("node") {
+            push("k8s.node.name".into(), string_value(node));
+        }
+    }
+    // The service: the Kubernetes container, else the systemd unit, else the program.
+    let service = get("container")
+        .map(str::to_string)
+        .or_else(|| get("systemd_unit").map(|u| u.trim_end_matches(".service").to_string()))
+        .or_else(|| get("executable").map(str::to_string));
+    if let Some(s) = service.filter(|s| !s.is_empty()) {
+        push("service.name".into(), string_value(&s));
+    }
+    out
+}
+
+/// The shared dictionary of one request; every table starts with its zero value.
+struct Dictionary {
+    d: ProfilesDictionary,
+    strings: HashMap<Arc<str>, i32>,
+    mappings: HashMap<Arc<MappingSpec>, i32>,
+    kernel_mapping: i32,
+    functions: HashMap<(i32, i32), i32>,
+    user_locations: HashMap<(i32, u64), i32>,
+    kernel_locations: HashMap<Arc<str>, i32>,
+    stacks: HashMap<Vec<i32>, i32>,
+    build_id_key: i32,
+}
+
+impl Dictionary {
+    fn new() -> Self {
+        let mut d = Self {
+            d: ProfilesDictionary {
+                mapping_table: vec![Mapping::default()],
+                location_table: vec![Location::default()],
+                function_table: vec![Function::default()],
+                link_table: vec![Link::default()],
+                string_table: Vec::new(),
+                attribute_table: vec![KeyValueAndUnit::default()],
+                stack_table: vec![Stack::default()],
+            },
+            strings: HashMap::new(),
+            mappings: HashMap::new(),
+            kernel_mapping: 0,
+            functions: HashMap::new(),
+            user_locations: HashMap::new(),
+            kernel_locations: HashMap::new(),
+            stacks: HashMap::new(),
+            build_id_key: 0,
+        };
+        d.string("");
+        d.build_id_key = d.string("process.executable.build_id.gnu");
+        d
+    }
+
+    fn string(&mut self, s: &str) -> i32 {
+        if let Some(&i) = self.strings.get(s) {
+            return i;
+        }
+        let i = self.d.string_table.len() as i32;
+        self.d.string_table.push(s.to_string());
+        self.strings.insert(Arc::from(s), i);
+        i
+    }
+
+    fn mapping(&mut self, m: &Arc<MappingSpec>) -> i32 {
+        if let Some(&i) = self.mappings.get(m) {
+            return i;
+        }
+        let filename_strindex = self.string(&m.file);
+        let mut attribute_indices = Vec::new();
+        if !m.build_id.is_empty() {
+            let i = self.d.attribute_table.len() as i32;
+            self.d.attribute_table.push(KeyValueAndUnit {
+                key_strindex: self.build_id_key,
+                value: Some(string_value(&m.build_id)),
+                unit_strindex: 0,
+            });
+            attribute_indices.push(i);
+        }
+        let i = self.d.mapping_table.len() as i32;
+        self.d.mapping_table.push(Mapping {
+            memory_start: m.start,
+            memory_limit: m.limit,
+            file_offset: m.offset,
+            filename_strindex,
+            attribute_indices,
+        });
+        self.mappings.insert(m.clone(), i);
+        i
+    }
+
+    fn function(&mut self, name: &str, file: &str) -> i32 {
+        let key = (self.string(name), self.string(file));
+        if let Some(&i) = self.functions.get(&key) {
+            return i;
+        }
+        let i = self.d.function_table.len() as i32;
+        self.d.function_table.push(Function {
+            name_strindex: key.0,
+            system_name_strindex: key.0,
+            filename_strindex: key.1,
+            start_line: 0,
+        });
+        self.functions.insert(key, i);
+        i
+    }
+
+    fn location(&mut self, f: &Frame) -> i32 {
+        match f {
+            Frame::Kernel(name) => {
+                if let Some(&i) = self.kernel_locations.get(name) {
+                    return i;
+                }
+                if self.kernel_mapping == 0 {
+                    let filename_strindex = self.string(KERNEL_MAPPING);
+                    self.kernel_mapping = self.d.mapping_table.len() as i32;
+                    self.d.mapping_table.push(Mapping {
+                        filename_strindex,
+                        ..Default::default()
+                    });
+                }
+                let function_index = self.function(name, "");
+                let i = self.d.location_table.len() as i32;
+                self.d.location_table.push(Location {
+                    mapping_index: self.kernel_mapping,
+                    address: 0,
+                    lines: vec![Line {
+                        function_index,
+                        line: 0,
+                        column: 0,
+                    }],
+                    attribute_indices: Vec::new(),
+                });
+                self.kernel_locations.insert(name.clone(), i);
+                i
+            }
+            Frame::User {
+                mapping,
+                address,
+                lines,
+            } => {
+                let mapping_index = mapping.as_ref().map_or(0, |m| self.mapping(m));
+                if let Some(&i) = self.user_locations.get(&(mapping_index, *address)) {
+                    return i;
+                }
+                let lines = lines
+                    .iter()
+                    .flat_map(|ls| ls.iter())
+                    .map(|l| Line {
+                        function_index: self.function(&l.function, &l.file),
+                        line: i64::from(l.line),
+                        column: 0,
+                    })
+                    .collect();
+                let i = self.d.location_table.len() as i32;
+                self.d.location_table.push(Location {
+                    mapping_index,
+                    address: *address,
+                    lines,
+                    attribute_indices: Vec::new(),
+                });
+                self.user_locations.insert((mapping_index, *address), i);
+                i
+            }
+        }
+    }
+
+    fn stack(&mut self, frames: &[Frame]) -> i32 {
+        let locs: Vec<i32> = frames.iter().map(|f| self.location(f)).collect();
+        if let Some(&i) = self.stacks.get(&locs) {
+            return i;
+        }
+        let i = self.d.stack_table.len() as i32;
+        self.d.stack_table.push(Stack {
+            location_indices: locs.clone(),
+        });
+        self.stacks.insert(locs, i);
+        i
+    }
+}
+
+/// A stable id for one profile of one round: a backend may deduplicate a request that
+/// arrives twice (sent, then the enricher died before it knew).
+fn profile_id(round: &Round, labels: &LabelSet, kind: &str) -> Vec<u8> {
+    let mut ctx = md5::Context::new();
+    ctx.consume(round.session_id.to_le_bytes());
+    ctx.consume(round.round.to_le_bytes());
+    ctx.consume(round.end_ns.to_le_bytes());
+    for (k, v) in labels {
+        ctx.consume(k.as_bytes());
+        ctx.consume([0]);
+        ctx.consume(v.as_bytes());
+        ctx.consume([0]);
+    }
+    ctx.consume(kind.as_bytes());
+    ctx.compute().0.to_vec()
+}
+
+/// The round as one encoded `ExportProfilesServiceRequest` (None: no samples).
+pub fn encode(round: &Round, by: ProfileBy) -> Option<Vec<u8>> {
+    let groups = encode::groups(round, by);
+    if groups.is_empty() {
+        return None;
+    }
+    let period = 1_000_000_000 / i64::from(round.frequency_hz.max(1));
+    let mut dict = Dictionary::new();
+    let samples_t = dict.string("samples");
+    let count_t = dict.string("count");
+    let cpu_t = dict.string("cpu");
+    let ns_t = dict.string("nanoseconds");
+    let scope = InstrumentationScope {
+        name: "firn".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        attributes: Vec::new(),
+        dropped_attributes_count: 0,
+    };
+    let mut resource_profiles = Vec::with_capacity(groups.len());
+    for (labels, idx) in groups {
+        // Equal stacks of the group sum into one sample.
+        let mut by_stack: HashMap<i32, i64> = HashMap::new();
+        let mut order = Vec::new();
+        for i in idx {
+            let s = &round.stacks[i];
+            let stack = dict.stack(&s.frames);
+            let count = i64::try_from(s.count).unwrap_or(i64::MAX);
+            let e = by_stack.entry(stack).or_insert_with(|| {
+                order.push(stack);
+                0
+            });
+            *e = e.saturating_add(count);
+        }
+        let profile = |ty: i32, unit: i32, scale: i64, kind: &str| Profile {
+            sample_type: Some(ValueType {
+                type_strindex: ty,
+                unit_strindex: unit,
+            }),
+            samples: order
+                .iter()
+                .map(|st| Sample {
+                    stack_index: *st,
+                    attribute_indices: Vec::new(),
+                    link_index: 0,
+                    values: vec![by_stack[st].saturating_mul(scale)],
+                    timestamps_unix_nano: Vec::new(),
+                })
+                .collect(),
+            time_unix_nano: round.start_ns,
+            duration_nano: round.end_ns.saturating_sub(round.start_ns),
+            period_type: Some(ValueType {
+                type_strindex: cpu_t,
+                unit_strindex: ns_t,
+            }),
+            period,
+            profile_id: profile_id(round, &labels, kind),
+            dropped_attributes_count: 0,
+            original_payload_format: String::new(),
+            original_payload: Vec::new(),
+            attribute_indices: Vec::new(),
+        };
+        resource_profiles.push(ResourceProfiles {
+            resource: Some(Resource {
+                attributes: resource_attributes(&labels),
+                dropped_attributes_count: 0,
+                entity_refs: Vec::new(),
+            }),
+            scope_profiles: vec![ScopeProfiles {
+                scope: Some(scope.clone()),
+                profiles: vec![
+                    profile(samples_t, count_t, 1, "samples"),
+                    profile(cpu_t, ns_t, period, "cpu"),
+                ],
+                schema_url: String::new(),
+            }],
+            schema_url: "https://opentelemetry.io/schemas/1.34.0".into(),
+        });
+    }
+    let req = ExportProfilesServiceRequest {
+        resource_profiles,
+        dictionary: Some(dict.d),
+    };
+    Some(req.encode_to_vec())
+}
+
+/// Sends encoded requests to an OTLP gRPC endpoint.
+pub struct OtlpTransport {
+    pub channel: Channel,
+    pub headers: Rc<Vec<(AsciiMetadataKey, AsciiMetadataValue)>>,
+    pub metrics: Arc<SinkMetrics>,
+}
+
+impl Transport for OtlpTransport {
+    fn send(&self, body: Arc<Vec<u8>>) -> Pin<Box<dyn Future<Output = Result<(), SendError>>>> {
+        let channel = self.channel.clone();
+        let headers = self.headers.clone();
+        let metrics = self.metrics.clone();
+        Box::pin(async move {
+            let r: ExportProfilesServiceResponse = grpc::unary(channel, EXPORT, body, &headers)
+                .await
+                .map_err(|s| grpc::classify(&s))?;
+            if let Some(p) = r.partial_success {
+                if p.rejected_profiles > 0 || !p.error_message.is_empty() {
+                    SinkMetrics::add(
+                        &metrics.profiles_rejected,
+                        p.rejected_profiles.max(0) as u64,
+                    );
+                    tracing::warn!(
+                        sink = "otlp",
+                        rejected_profiles = p.rejected_profiles,
+                        message = %p.error_message,
+                        "the OTLP backend accepted the request in part"
+                    );
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::StackSample;
+
+    #[test]
+    fn a_round_resolves_through_the_dictionary() {
+        let map = Arc::new(MappingSpec {
+            start: 0x1000,
+            limit: 0x2000,
+            offset: 0,
+            file: Arc::from("/bin/x"),
+            build_id: Arc::from("abcd"),
+            symbolized: false,
+        });
+        let labels: Arc<LabelSet> = Arc::new(vec![
+            ("comm".into(), "x".into()),
+            ("node".into(), "n1".into()),
+            ("pid".into(), "42".into()),
+        ]);
+        let frames: Arc<[Frame]> = Arc::from(vec![
+            Frame::User {
+                mapping: Some(map),
+                address: 0x1234,
+                lines: None,
+            },
+            Frame::Kernel(Arc::from("do_syscall_64")),
+        ]);
+        let stack = StackSample {
+            process_id: 1,
+            labels,
+            frames,
+            count: 3,
+        };
+        let round = Round {
+            session_id: 1,
+            round: 2,
+            start_ns: 10,
+            end_ns: 20,
+            frequency_hz: 100,
+            stacks: vec![stack.clone(), stack],
+        };
+        let bytes = encode(&round, ProfileBy::Process).unwrap();
+        let req = ExportProfilesServiceRequest::decode(bytes.as_slice()).unwrap();
+        let d = req.dictionary.unwrap();
+        assert_eq!(d.string_table[0], "");
+        assert_eq!(req.resource_profiles.len(), 1);
+        let rp = &req.resource_profiles[0];
+        let attrs = &rp.resource.as_ref().unwrap().attributes;
+        assert!(attrs.iter().any(|a| a.key == "process.pid"
+            && a.value.as_ref().unwrap().value == Some(any_value::Value::IntValue(42))));
+        assert!(attrs.iter().any(|a| a.key == "host.name"));
+        assert!(attrs.iter().any(|a| a.key == "firn.comm"));
+        let profiles = &rp.scope_profiles[0].profiles;
+        assert_eq!(profiles.len(), 2);
+        assert_eq!(profiles[0].samples.len(), 1);
+        assert_eq!(profiles[0].samples[0].values, vec![6]);
+        assert_eq!(profiles[1].samples[0].values, vec![6 * 10_000_000]);
+        let stack = &d.stack_table[profiles[0].samples[0].stack_index as usize];
+        let leaf = &d.location_table[stack.location_indices[0] as usize];
+        assert_eq!(leaf.address, 0x1234);
+        let m = &d.mapping_table[leaf.mapping_index as usize];
+        let a = &d.attribute_table[m.attribute_indices[0] as usize];
+        assert_eq!(
+            d.string_table[a.key_strindex as usize],
+            "process.executable.build_id.gnu"
+        );
+        let k = &d.location_table[stack.location_indices[1] as usize];
+        let f = &d.function_table[k.lines[0].function_index as usize];
+        assert_eq!(d.string_table[f.name_strindex as usize], "do_syscall_64");
+        assert_ne!(profiles[0].profile_id, profiles[1].profile_id);
+    }
+}
