@@ -231,7 +231,7 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
     }
     tracing::info!("stopping");
     if let Some(p) = &pipeline {
-        p.2.shutdown();
+        p.2.shutdown(std::time::Duration::from_secs(5)).await;
     }
     ExitCode::SUCCESS
 }

@@ -97,6 +97,7 @@ metrics! {
     symbol_parses_transient: "parses of binaries whose symbol tables alone exceed --symbol-budget (dropped after the round)",
     binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binary_load_errors: "binaries whose ELF could not be read",
+    binaries_replaced_by_unstripped: "cached stripped binaries replaced by a copy with the same build id and a symbol table",
     symbolizer_panics: "binaries on which the symbolizer panicked (malformed; contained, frames kept as addresses)",
     broker_requests: "file descriptors requested from the sampler",
     broker_refusals: "broker requests the sampler refused (see log for reasons)",

@@ -205,12 +205,33 @@ impl Firn {
         Self::start_under(tag, &[], sampler_args)
     }
 
+    /// [`Firn::start`] with flags for the enricher; `enricher_args` may name files
+    /// under the test's directory, which is passed in.
+    pub fn start_with(
+        tag: &str,
+        sampler_args: &[&str],
+        enricher_args: impl FnOnce(&Path) -> Vec<String>,
+    ) -> Firn {
+        let mut f = Self::start_under_lazy(tag, &[], sampler_args);
+        let extra = enricher_args(f.dir.path());
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        f.start_enricher(&extra);
+        f
+    }
+
     /// [`Firn::start`] with the sampler under a wrapper command (see [`start_sampler_under`]).
     pub fn start_under(tag: &str, wrapper: &[&str], sampler_args: &[&str]) -> Firn {
+        let mut f = Self::start_under_lazy(tag, wrapper, sampler_args);
+        f.start_enricher(&[]);
+        f
+    }
+
+    /// The sampler only; the enricher is the caller's to start.
+    fn start_under_lazy(tag: &str, wrapper: &[&str], sampler_args: &[&str]) -> Firn {
         let dir = TempDir::new(tag);
         let plan = Plan::prepare(dir.path(), "firn-test", sampler_args);
         let sampler = spawn_sampler(wrapper, &plan.sampler);
-        let mut f = Firn {
+        Firn {
             socket: plan.socket.clone(),
             out: plan.out.clone(),
             user: plan.user,
@@ -219,9 +240,7 @@ impl Firn {
             enricher: None,
             http: String::new(),
             plan,
-        };
-        f.start_enricher(&[]);
-        f
+        }
     }
 
     /// Starts (or restarts) the enricher as the test user; waits until it is connected.

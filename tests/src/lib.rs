@@ -7,6 +7,7 @@ mod env;
 mod firn;
 mod proc;
 mod profiles;
+mod receivers;
 mod workloads;
 
 pub use cgroups::*;
@@ -15,5 +16,6 @@ pub use firn::*;
 pub use firn_schema::now_ns;
 pub use proc::*;
 pub use profiles::*;
+pub use receivers::*;
 pub use serde_json::Value;
 pub use workloads::*;

@@ -235,16 +235,33 @@ impl Symbolizer {
                 mtime: st.st_mtime,
             },
         };
-        self.by_file.insert((dev, ino), id.clone());
-        if self.binaries.contains(&id) {
+        let facts_of = |path: &std::path::Path| {
+            std::fs::File::open(path)
+                .ok()
+                .and_then(|f| contained(|| elf_facts(f)).flatten())
+        };
+        let mut facts = None;
+        if let Some(cached) = self.binaries.peek(&id) {
             // The same binary reached through another file (e.g. another container
-            // layer): the cached copy serves, this fd closes.
-            return Ok(id);
+            // layer): the cached copy serves, this fd closes. Unless the cached copy
+            // was stripped and this one has its symbol table (a stripped and an
+            // unstripped build share a build id): then this one replaces it.
+            facts = (cached.stripped == Some(true))
+                .then(|| facts_of(&path))
+                .flatten()
+                .filter(|f| f.symtab);
+            if facts.is_none() {
+                self.by_file.insert((dev, ino), id.clone());
+                return Ok(id);
+            }
+            if let Some(old) = self.binaries.pop(&id) {
+                self.evicted(&id, old);
+            }
+            Metrics::inc(&self.metrics.binaries_replaced_by_unstripped);
         }
+        self.by_file.insert((dev, ino), id.clone());
         Metrics::inc(&self.metrics.binaries_loaded);
-        let facts = std::fs::File::open(&path)
-            .ok()
-            .and_then(|f| contained(|| elf_facts(f)).flatten());
+        let facts = facts.or_else(|| facts_of(&path));
         let mut debug_bytes = facts.map_or(0, |f| f.debug_bytes);
         if debug_bytes == 0 {
             debug_bytes = build_id.as_deref().map_or(0, separate_debug_bytes);
@@ -648,6 +665,39 @@ mod tests {
         let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         assert_eq!(n(&metrics.binaries_over_symbol_budget), 1);
         assert_eq!(n(&metrics.symbol_parses_transient), 1);
+    }
+
+    #[test]
+    fn an_unstripped_copy_replaces_a_stripped_one_with_its_build_id() {
+        let stripped = std::env::temp_dir().join(format!("firn-stripped-{}", std::process::id()));
+        let ok = std::process::Command::new("strip")
+            .args(["--strip-all", "-o"])
+            .arg(&stripped)
+            // Not /proc/self/exe: strip would read itself.
+            .arg(std::env::current_exe().unwrap())
+            .status()
+            .expect("strip (binutils)");
+        assert!(ok.success());
+        let metrics = Arc::new(Metrics::default());
+        let mut sym = Symbolizer::new(Limits::default(), metrics.clone());
+        let id = sym
+            .load(std::fs::File::open(&stripped).unwrap().into())
+            .unwrap();
+        assert_eq!(sym.stripped(&id), Some(true));
+        let again = sym
+            .load(std::fs::File::open("/proc/self/exe").unwrap().into())
+            .unwrap();
+        assert_eq!(id, again, "same build id");
+        assert_eq!(sym.stripped(&id), Some(false), "the copy with .symtab serves");
+        marker_function();
+        let off = own_offset(marker_function as *const () as usize);
+        let lines = sym.symbolize(&id, &[off]).remove(0).expect("named");
+        assert!(lines.last().unwrap().function.contains("marker_function"));
+        // A stripped copy arriving later does not replace it.
+        sym.load(std::fs::File::open(&stripped).unwrap().into())
+            .unwrap();
+        assert_eq!(sym.stripped(&id), Some(false));
+        let _ = std::fs::remove_file(&stripped);
     }
 
     #[test]

@@ -200,6 +200,10 @@ pub struct Delivery {
     limits: Limits,
     queue: RefCell<Queue>,
     wake: Notify,
+    /// A request is being sent (its answer not yet in).
+    sending: std::cell::Cell<bool>,
+    /// The last attempt failed.
+    failing: std::cell::Cell<bool>,
     pub metrics: Arc<SinkMetrics>,
 }
 
@@ -239,6 +243,8 @@ impl Delivery {
                 spool,
             }),
             wake: Notify::new(),
+            sending: std::cell::Cell::new(false),
+            failing: std::cell::Cell::new(false),
             metrics,
         });
         d.gauges();
@@ -301,6 +307,15 @@ impl Delivery {
                 tracing::warn!(sink = self.name, id = %r.id, error = %e, "request could not be spooled: dropped");
             }
         }
+    }
+
+    /// Whether a shutdown should wait for this sink: it is delivering (healthy, with
+    /// requests waiting or one in flight).
+    pub fn draining(&self) -> bool {
+        let q = self.queue.borrow();
+        let waiting =
+            !q.memory.is_empty() || q.spool.as_ref().is_some_and(|s| !s.entries.is_empty());
+        !self.failing.get() && (waiting || self.sending.get())
     }
 
     /// Moves every request waiting in memory to the spool (at shutdown, so that a
@@ -379,7 +394,9 @@ impl Delivery {
                 }
             };
             let len = body.len() as u64;
+            self.sending.set(true);
             let sent = tokio::time::timeout(self.limits.call_timeout, transport.send(body)).await;
+            self.sending.set(false);
             let outcome = match sent {
                 Ok(r) => r,
                 Err(_) => Err(SendError::Retry(format!(
@@ -394,6 +411,7 @@ impl Delivery {
                     SinkMetrics::add(&m.bytes_sent, len);
                     SinkMetrics::set(&m.last_success_seconds, unix_seconds());
                     SinkMetrics::set(&m.failing, 0);
+                    self.failing.set(false);
                     backoff = self.limits.backoff_min;
                     if let Some(t) = failing_since.take() {
                         tracing::info!(
@@ -411,6 +429,7 @@ impl Delivery {
                 Err(SendError::Retry(msg)) => {
                     SinkMetrics::inc(&m.retries);
                     SinkMetrics::set(&m.failing, 1);
+                    self.failing.set(true);
                     if failing_since.is_none() {
                         failing_since = Some(std::time::Instant::now());
                         tracing::warn!(sink = self.name, error = %msg, "backend failing; requests wait (memory, then spool) and are retried with backoff");

@@ -202,9 +202,16 @@ impl Uploads {
         }
     }
 
-    /// At shutdown: what waits in memory goes to the spool, for the next run.
-    pub fn shutdown(&self) {
-        for d in self.otlp.iter().chain(self.parca.iter()) {
+    /// At shutdown: healthy sinks get up to `grace` to deliver what waits (a request
+    /// cut off in flight could arrive twice after a restart); what is left goes to the
+    /// spool for the next run.
+    pub async fn shutdown(&self, grace: std::time::Duration) {
+        let sinks: Vec<&Rc<Delivery>> = self.otlp.iter().chain(self.parca.iter()).collect();
+        let until = std::time::Instant::now() + grace;
+        while sinks.iter().any(|d| d.draining()) && std::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        for d in sinks {
             d.flush_to_spool();
         }
     }

@@ -1,0 +1,77 @@
+//! The upload tests' receivers, which no one here wrote the readers of: an OTLP
+//! profiles server on the OpenTelemetry project's Python bindings, and a Parca
+//! stand-in decoding with Parca's published client types (`tests/receivers/`,
+//! installed by `tests/receivers/setup.sh`). Each writes what arrives as JSON lines.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::{repo_root, Proc};
+
+/// A loopback port no one listens on now (the kernel's pick, released at once).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port");
+    l.local_addr().expect("local addr").port()
+}
+
+fn started(p: Proc, what: &str) -> Proc {
+    assert!(
+        p.wait_for("listening", Duration::from_secs(30)).is_some(),
+        "{what} did not start (run tests/receivers/setup.sh): {:#?}",
+        p.lines()
+    );
+    p
+}
+
+/// The OTLP receiver on `port`, appending to `out`; `extra`: --delay S, --fail CODE:N.
+pub fn start_otlp_receiver(port: u16, out: &Path, extra: &[&str]) -> Proc {
+    let python = repo_root().join("target/receivers-venv/bin/python");
+    let mut cmd = Command::new(python);
+    cmd.arg(repo_root().join("tests/receivers/otlp_receiver.py"))
+        .args(["--port", &port.to_string(), "--out"])
+        .arg(out)
+        .args(extra);
+    started(Proc::spawn("otlp-receiver", cmd), "the OTLP receiver")
+}
+
+/// The Parca stand-in on `port`, appending to `out`; `extra`: --delay-ms N,
+/// --fail CODE:N, --token T, --known BUILD_ID,….
+pub fn start_parca_receiver(port: u16, out: &Path, extra: &[&str]) -> Proc {
+    let dir = repo_root().join("tests/receivers");
+    let mut cmd = Command::new("node");
+    cmd.current_dir(&dir)
+        .args(["--import", "./resolve-js.mjs", "parca_receiver.mjs"])
+        .args(["--port", &port.to_string(), "--out"])
+        .arg(out)
+        .args(extra);
+    started(Proc::spawn("parca-receiver", cmd), "the Parca receiver")
+}
+
+/// Every JSON line of a receiver's output (none yet: empty).
+pub fn received(out: &Path) -> Vec<Value> {
+    std::fs::read_to_string(out)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Lines of one kind.
+pub fn received_kind(out: &Path, kind: &str) -> Vec<Value> {
+    received(out)
+        .into_iter()
+        .filter(|v| v["kind"] == kind)
+        .collect()
+}
+
+/// A file in `dir` the enricher's user can read.
+pub fn readable_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write file");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    p
+}
