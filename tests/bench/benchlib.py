@@ -78,13 +78,14 @@ def parse_table_log(text):
 
 
 def parse_prometheus(text):
-    """name → value of a Prometheus text exposition without labels (firn's /metrics)."""
+    """name → value of a Prometheus text exposition (firn's /metrics); a labelled series
+    is keyed by its whole name, e.g. `x_total{sink="otlp"}`."""
     out = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         parts = line.split()
-        if len(parts) == 2 and "{" not in parts[0]:
+        if len(parts) == 2:
             try:
                 out[parts[0]] = float(parts[1])
             except ValueError:

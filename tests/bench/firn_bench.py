@@ -13,6 +13,10 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
   rest      firn only, its cost of being installed: idle and busy (one busy thread per
             CPU), at each frequency; each half's CPU over 60 s after 30 s of warm-up,
             its RSS every 2 s and its peak (VmHWM over its whole life);
+  upload    firn only, busy at 99 Hz: the enricher with the local sink alone, and with
+            OTLP and Parca uploads on (to the test receivers in tests/receivers/, set
+            up by tests/receivers/setup.sh), interleaved; CPU over 60 s after 30 s, RSS,
+            peak, and bytes sent per round and per 1,000 samples;
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
             short-lived processes (attribution to the right executable, enricher RSS
             trend); 200 distinct executables (symbol cache size and hit rate).
@@ -331,6 +335,92 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
             "rss_points": points}
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def upload_run(hz, mode, exe, rnd, warm=30, window=60):
+    """The enricher's cost with the local sink alone ('local') or with OTLP and Parca
+    uploads on ('upload'), busy.c on every CPU."""
+    log(f"upload: {mode} at {hz} Hz …")
+    life = warm + window + 3 * rnd + 30
+    w, _ = start_workload(exe, life)
+    receivers, extra = [], []
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"firn-bench-upload-{os.getpid()}"
+    tmp.mkdir(exist_ok=True)
+    if mode == "upload":
+        op, pp = free_port(), free_port()
+        rx = ROOT / "tests" / "receivers"
+        receivers = [
+            subprocess.Popen([str(ROOT / "target/receivers-venv/bin/python"), str(rx / "otlp_receiver.py"),
+                              "--port", str(op), "--out", str(tmp / "otlp.jsonl")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            subprocess.Popen(["node", "--import", "./resolve-js.mjs", "parca_receiver.mjs",
+                              "--port", str(pp), "--out", str(tmp / "parca.jsonl")], cwd=rx,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        extra = ["--otlp-endpoint", f"http://127.0.0.1:{op}", "--parca-address", f"127.0.0.1:{pp}",
+                 "--parca-insecure"]
+    f = Firn(rnd)
+    f.start(hz, extra)
+    time.sleep(max(0.0, warm - (time.time() - f.t0)))
+    e = f.pids()[1]
+    m0, c0, t0 = f.metrics(), proc_cpu(e), time.time()
+    rss = []
+    while time.time() - t0 < window:
+        time.sleep(2)
+        rss.append(status_kib(e, "VmRSS") / 1024)
+    m1, c1, t1 = f.metrics(), proc_cpu(e), time.time()
+    res = f.stop(settle=False)
+    w.terminate()
+    w.wait()
+    for r in receivers:
+        r.terminate()
+        r.wait()
+    shutil.rmtree(tmp, ignore_errors=True)
+    d = lambda k: m1.get(k, 0) - m0.get(k, 0)  # noqa: E731
+    samples = d("firn_enricher_samples_received_total")
+    out = {"hz": hz, "mode": mode, "window_s": t1 - t0,
+           "enricher_ms_per_s": 1000 * (c1 - c0) / (t1 - t0),
+           "enricher_rss_mib": rss[-1] if rss else float("nan"),
+           "enricher_rss_max_mib": max(rss, default=float("nan")),
+           "enricher_peak_mib": res["rss_peak_enricher_kib"] / 1024, "samples": samples}
+    for sink in ("otlp", "parca"):
+        sent = d(f'firn_enricher_upload_requests_sent_total{{sink="{sink}"}}')
+        nbytes = d(f'firn_enricher_upload_bytes_sent_total{{sink="{sink}"}}')
+        out[f"{sink}_requests"] = sent
+        out[f"{sink}_bytes_per_round"] = nbytes / sent if sent else float("nan")
+        out[f"{sink}_bytes_per_1000_samples"] = 1000 * nbytes / samples if samples else float("nan")
+        out[f"{sink}_retries"] = m1.get(f'firn_enricher_upload_retries_total{{sink="{sink}"}}', 0)
+    return out
+
+
+def upload_table(rows):
+    """Medians per mode and the upload's added cost, against #9's targets."""
+    def col(mode, key):
+        return [r[key] for r in rows if r["mode"] == mode]
+
+    out = ["Target (#9): uploads add ≤ 0.5 ms/s of enricher CPU and ≤ 8 MiB of RSS at 99 Hz.", "",
+           "| enricher | local sink only | + OTLP + Parca | added | verdict |", "|---|---|---|---|---|"]
+    for key, label, limit in (("enricher_ms_per_s", "CPU ms/s", 0.5), ("enricher_rss_mib", "RSS MiB (end)", 8.0),
+                              ("enricher_peak_mib", "peak MiB (VmHWM)", 8.0)):
+        a, b = bl.med(col("local", key)), bl.med(col("upload", key))
+        added = b[0] - a[0]
+        out.append(f"| {label} | {bl.fmt(a)} | {bl.fmt(b)} | {added:+.2f} | "
+                   f"{'met' if added <= limit else '**missed**'} (≤ {limit}) |")
+    up = [r for r in rows if r["mode"] == "upload"]
+    out += ["", "| sink | requests in the window | bytes per round | bytes per 1,000 samples | retries |",
+            "|---|---|---|---|---|"]
+    for sink in ("otlp", "parca"):
+        out.append(f"| {sink} | {bl.fmt(bl.med([r[sink + '_requests'] for r in up]))} | "
+                   f"{bl.fmt(bl.med([r[sink + '_bytes_per_round'] for r in up]))} | "
+                   f"{bl.fmt(bl.med([r[sink + '_bytes_per_1000_samples'] for r in up]))} | "
+                   f"{max((r[sink + '_retries'] for r in up), default=0):.0f} |")
+    return "\n".join(out)
+
+
 def rest_table(rows):
     """Medians over repetitions per (state, Hz), against issue #14's targets."""
     targets = {("idle", 99): (0.5, 1.0, None), ("idle", 19): (0.25, 0.5, None),
@@ -474,6 +564,13 @@ def write_report(res, update):
             "after 30 s from its start; RSS at the end of the window; peak = VmHWM over the whole life "
             "(start-up included). busy = `busy.c` on every CPU; four = four busy programs "
             "(`busy.c` with and without frame pointers, a python3 loop, a bash loop).\n\n" + rest_table(res["rest"]))
+    if "upload" in res:
+        sections["bench-upload"] = (
+            f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
+            f"{p['round']} s at 99 Hz with `busy.c` on every CPU; {p['upload_pairs']} interleaved pair(s) "
+            "of runs, local sink alone vs local + OTLP + Parca (debuginfo on) to the test receivers on "
+            "loopback. Enricher CPU from schedstat over 60 s after 30 s; RSS at the end of the window; "
+            "peak = VmHWM over its life. Median (min–max).\n\n" + upload_table(res["upload"]))
     if "unwind" in res:
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "
                 "unwinds it from tables, bpftrace walks frame pointers (and gets the leaf only).\n\n"
@@ -551,7 +648,8 @@ def main():
     ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
     ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
     ap.add_argument("--parts", default="overhead,idle,rest,unwind,scale",
-                    help="overhead,idle,rest,unwind,scale")
+                    help="overhead,idle,rest,unwind,scale,upload (upload: not in the default set)")
+    ap.add_argument("--upload-pairs", type=int, default=2, help="interleaved repetitions of the upload part (2)")
     ap.add_argument("--rest-pairs", type=int, default=1, help="repetitions of the rest part (1)")
     ap.add_argument("--churn-seconds", type=int, default=600,
                     help="length of the churn storm (600: the RSS trend over 10 minutes)")
@@ -611,6 +709,13 @@ def main():
                         runs.append(rest_run(hz, state, exe, args.round))
                 runs.append(rest_run(max(freqs), "four", exe, args.round, nofp=nofp))
             res["rest"] = runs
+        if "upload" in parts:
+            subprocess.run([str(ROOT / "tests/receivers/setup.sh")], check=True)
+            runs = []
+            for _ in range(args.upload_pairs):
+                for mode in ("local", "upload"):
+                    runs.append(upload_run(99, mode, exe, args.round))
+            res["upload"] = runs
         if "unwind" in parts:
             nofp = build_nofp(out)
             peers = [p for p in profilers if p in ("firn", "bpftrace")]

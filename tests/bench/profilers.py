@@ -120,7 +120,7 @@ class Firn:
     def __init__(self, rnd):
         self.rnd = rnd
 
-    def start(self, hz):
+    def start(self, hz, enricher_extra=()):
         self.tmp = tempfile.mkdtemp(prefix="firn-bench-")
         os.chmod(self.tmp, 0o755)
         # How to start firn comes from the tests' own definition (firn-plan), which also
@@ -137,7 +137,7 @@ class Firn:
         self.sampler = subprocess.Popen(plan["sampler"], stderr=open(slog, "w"), env=env)
         wait_for_line(slog, plan["sampler_ready"], self.sampler)
         elog = os.path.join(self.tmp, "enricher.log")
-        self.enricher = subprocess.Popen(got["enricher"], stdout=subprocess.DEVNULL,
+        self.enricher = subprocess.Popen(got["enricher"] + list(enricher_extra), stdout=subprocess.DEVNULL,
                                          stderr=open(elog, "w"), env=env)
         wait_for_line(elog, plan["enricher_ready"], self.enricher)
         # Two rounds: connected, the first binaries loaded — the steady state.

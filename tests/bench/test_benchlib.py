@@ -82,7 +82,7 @@ class Parsers(unittest.TestCase):
 
     def test_prometheus(self):
         m = b.parse_prometheus("# TYPE x counter\nfirn_samples_received 42\nbad line here\nx{a=\"b\"} 1\n")
-        self.assertEqual(m, {"firn_samples_received": 42.0})
+        self.assertEqual(m, {"firn_samples_received": 42.0, "x{a=\"b\"}": 1.0})
 
     def test_bpftrace(self):
         self.assertEqual(b.parse_bpftrace_counts(BPFTRACE, "busy-bench"), (42, 46))
