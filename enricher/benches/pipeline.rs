@@ -189,6 +189,35 @@ fn bench(c: &mut Criterion) {
                 encode_gz(&builder.finish()).map(|v| v.len()).unwrap_or(0)
             })
         });
+        // The upload sinks' extra work per round: the OTLP request (its own encoding
+        // and dictionary) and Parca's WriteRaw (which wraps the pprof above).
+        let round = firn_enricher::enrich::Round {
+            session_id: 1,
+            round: 1,
+            start_ns: 0,
+            end_ns: 10_000_000_000,
+            frequency_hz: 19,
+            stacks: stack_samples.clone(),
+        };
+        g.bench_function(BenchmarkId::new("upload_otlp_encode", n), |b| {
+            b.iter(|| {
+                firn_enricher::upload::otlp::encode(
+                    &round,
+                    firn_enricher::encode::ProfileBy::Process,
+                )
+                .map_or(0, |v| v.len())
+            })
+        });
+        let encoded =
+            firn_enricher::encode::per_label_set(&round, firn_enricher::encode::ProfileBy::Process);
+        g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
+            b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
+        });
+        let otlp =
+            firn_enricher::upload::otlp::encode(&round, firn_enricher::encode::ProfileBy::Process)
+                .map_or(0, |v| v.len());
+        let pprof = encoded.iter().map(|e| e.gz.len()).sum::<usize>();
+        println!("round of {n} stacks: OTLP request {otlp} bytes, gzip pprof {pprof} bytes");
         g.finish();
     }
 }

@@ -229,3 +229,42 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take!(upload_timeout, cli::parse_duration);
     take!(upload_backoff_max, cli::parse_duration);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, FromArgMatches};
+
+    fn args_with(text: &str, argv: &[&str]) -> Result<Args, ConfigError> {
+        let (file, _) = parse(text, Path::new("test.yaml"))?;
+        let m = Args::command()
+            .get_matches_from(std::iter::once("firn-enricher").chain(argv.iter().copied()));
+        let mut args = Args::from_arg_matches(&m).unwrap();
+        apply(&mut args, &m, &file);
+        Ok(args)
+    }
+
+    #[test]
+    fn upload_keys_apply_and_flags_win() {
+        let text =
+            "otlp_endpoint: http://c:4317\notlp_headers: [\"x-a=1\"]\nparca_address: p:7070\n\
+                    parca_insecure: true\ndebuginfo_upload: all\nupload_spool_size: 1MiB\n\
+                    upload_timeout: 5s\n";
+        let a = args_with(text, &["--parca-address", "q:7070"]).unwrap();
+        assert_eq!(a.otlp_endpoint.as_deref(), Some("http://c:4317"));
+        assert_eq!(a.otlp_headers, vec!["x-a=1".to_string()]);
+        assert_eq!(a.parca_address.as_deref(), Some("q:7070"), "the flag wins");
+        assert!(a.parca_insecure);
+        assert_eq!(a.debuginfo_upload, crate::upload::debuginfo::Mode::All);
+        assert_eq!(a.upload_spool_size, 1 << 20);
+        assert_eq!(a.upload_timeout, std::time::Duration::from_secs(5));
+        let e = args_with("upload_timeout: 5\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("upload_timeout") && e.contains("line 1"), "{e}");
+        let e = args_with("debuginfo_upload_concurrency: 0\n", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1..=16"), "{e}");
+    }
+}

@@ -342,7 +342,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def upload_run(hz, mode, exe, rnd, warm=30, window=60):
+def upload_run(hz, mode, exe, rnd, warm=60, window=60):
     """The enricher's cost with the local sink alone ('local') or with OTLP and Parca
     uploads on ('upload'), busy.c on every CPU."""
     log(f"upload: {mode} at {hz} Hz …")
@@ -394,6 +394,7 @@ def upload_run(hz, mode, exe, rnd, warm=30, window=60):
         out[f"{sink}_bytes_per_round"] = nbytes / sent if sent else float("nan")
         out[f"{sink}_bytes_per_1000_samples"] = 1000 * nbytes / samples if samples else float("nan")
         out[f"{sink}_retries"] = m1.get(f'firn_enricher_upload_retries_total{{sink="{sink}"}}', 0)
+        out[f"{sink}_encode_ms_per_s"] = d(f'firn_enricher_upload_encode_ns_total{{sink="{sink}"}}') / 1e6 / (t1 - t0)
     return out
 
 
@@ -402,7 +403,9 @@ def upload_table(rows):
     def col(mode, key):
         return [r[key] for r in rows if r["mode"] == mode]
 
-    out = ["Target (#9): uploads add ≤ 0.5 ms/s of enricher CPU and ≤ 8 MiB of RSS at 99 Hz.", "",
+    out = ["Target (#9): uploads add ≤ 0.5 ms/s of enricher CPU and ≤ 8 MiB of RSS at 99 Hz. The difference "
+           "of whole-enricher CPU between runs is noisy (symbolization and unwind-table waves differ run to "
+           "run); the encode time is the sinks' own work in the round loop, timed in the enricher.", "",
            "| enricher | local sink only | + OTLP + Parca | added | verdict |", "|---|---|---|---|---|"]
     for key, label, limit in (("enricher_ms_per_s", "CPU ms/s", 0.5), ("enricher_rss_mib", "RSS MiB (end)", 8.0),
                               ("enricher_peak_mib", "peak MiB (VmHWM)", 8.0)):
@@ -411,10 +414,11 @@ def upload_table(rows):
         out.append(f"| {label} | {bl.fmt(a)} | {bl.fmt(b)} | {added:+.2f} | "
                    f"{'met' if added <= limit else '**missed**'} (≤ {limit}) |")
     up = [r for r in rows if r["mode"] == "upload"]
-    out += ["", "| sink | requests in the window | bytes per round | bytes per 1,000 samples | retries |",
-            "|---|---|---|---|---|"]
+    out += ["", "| sink | requests in the window | encode ms/s | bytes per round | bytes per 1,000 samples | retries |",
+            "|---|---|---|---|---|---|"]
     for sink in ("otlp", "parca"):
         out.append(f"| {sink} | {bl.fmt(bl.med([r[sink + '_requests'] for r in up]))} | "
+                   f"{bl.fmt(bl.med([r[sink + '_encode_ms_per_s'] for r in up]))} | "
                    f"{bl.fmt(bl.med([r[sink + '_bytes_per_round'] for r in up]))} | "
                    f"{bl.fmt(bl.med([r[sink + '_bytes_per_1000_samples'] for r in up]))} | "
                    f"{max((r[sink + '_retries'] for r in up), default=0):.0f} |")
@@ -569,7 +573,7 @@ def write_report(res, update):
             f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
             f"{p['round']} s at 99 Hz with `busy.c` on every CPU; {p['upload_pairs']} interleaved pair(s) "
             "of runs, local sink alone vs local + OTLP + Parca (debuginfo on) to the test receivers on "
-            "loopback. Enricher CPU from schedstat over 60 s after 30 s; RSS at the end of the window; "
+            "loopback. Enricher CPU from schedstat over 60 s after 60 s; RSS at the end of the window; "
             "peak = VmHWM over its life. Median (min–max).\n\n" + upload_table(res["upload"]))
     if "unwind" in res:
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "

@@ -49,8 +49,7 @@ fn parca_rounds(out: &Path, pid: u32) -> HashMap<u64, u64> {
             for smp in s["samples"].as_array().unwrap() {
                 // A string: JSON numbers in JavaScript cannot hold nanoseconds since 1970.
                 let t: u64 = smp["time_nanos"].as_str().unwrap().parse().unwrap();
-                *m.entry(t).or_insert(0) +=
-                    smp["totals"][0].as_u64().unwrap();
+                *m.entry(t).or_insert(0) += smp["totals"][0].as_u64().unwrap();
             }
         }
     }
@@ -83,7 +82,13 @@ fn sha256(path: &Path) -> String {
 fn stripped_busy() -> PathBuf {
     let out = repo_root().join("target/workloads/busy-stripped");
     let ok = Command::new("clang")
-        .args(["-O1", "-s", "-fno-omit-frame-pointer", "-mno-omit-leaf-frame-pointer", "-o"])
+        .args([
+            "-O1",
+            "-s",
+            "-fno-omit-frame-pointer",
+            "-mno-omit-leaf-frame-pointer",
+            "-o",
+        ])
         .arg(&out)
         .arg(repo_root().join("tests/workloads/busy.c"))
         .status()

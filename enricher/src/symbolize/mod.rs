@@ -520,7 +520,7 @@ pub(crate) fn hex(b: &[u8]) -> String {
 
 /// The bytes of a hex string (None: odd length or not hex).
 pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -688,7 +688,11 @@ mod tests {
             .load(std::fs::File::open("/proc/self/exe").unwrap().into())
             .unwrap();
         assert_eq!(id, again, "same build id");
-        assert_eq!(sym.stripped(&id), Some(false), "the copy with .symtab serves");
+        assert_eq!(
+            sym.stripped(&id),
+            Some(false),
+            "the copy with .symtab serves"
+        );
         marker_function();
         let off = own_offset(marker_function as *const () as usize);
         let lines = sym.symbolize(&id, &[off]).remove(0).expect("named");

@@ -137,21 +137,22 @@ impl Uploads {
     /// may need. `encoded` are the round's pprof profiles (the local sink's).
     pub fn round(&self, round: &Round, encoded: &[Encoded], symbolizer: &Symbolizer) {
         let id = request_id(round.end_ns, round.round);
-        if let Some(d) = &self.otlp {
-            if let Some(body) = otlp::encode(round, self.by) {
+        let timed = |d: &Rc<Delivery>, body: Option<Vec<u8>>, t: std::time::Instant| {
+            SinkMetrics::add(&d.metrics.encode_ns, t.elapsed().as_nanos() as u64);
+            if let Some(body) = body {
                 d.push(Request {
                     id: id.clone(),
                     body: Arc::new(body),
                 });
             }
+        };
+        if let Some(d) = &self.otlp {
+            let t = std::time::Instant::now();
+            timed(d, otlp::encode(round, self.by), t);
         }
         if let Some(d) = &self.parca {
-            if let Some(body) = parca::encode(encoded) {
-                d.push(Request {
-                    id,
-                    body: Arc::new(body),
-                });
-            }
+            let t = std::time::Instant::now();
+            timed(d, parca::encode(encoded), t);
         }
         if let Some(di) = &self.debuginfo {
             self.offer_debuginfo(di, round, symbolizer);
@@ -274,7 +275,7 @@ sink_metrics! {
     dropped: "counter", "requests dropped unsent: the oldest past the spool bound, or unwritable to the spool",
     spooled: "counter", "requests written to the on-disk spool",
     spool_errors: "counter", "spool writes or reads that failed (disk full, I/O error)",
-    encode_errors: "counter", "rounds that could not be encoded for this sink",
+    encode_ns: "counter", "nanoseconds spent encoding rounds for this sink (in the round loop)",
     queue_requests: "gauge", "requests waiting in memory",
     queue_bytes: "gauge", "bytes waiting in memory",
     spool_requests: "gauge", "requests waiting in the on-disk spool",
