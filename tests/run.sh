@@ -18,8 +18,9 @@ if ! command -v cargo >/dev/null; then
     [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
 fi
 
-# The upload tests' receivers: OpenTelemetry's Python bindings, Parca's npm client types.
-tests/receivers/setup.sh
+# The tests' independent readers: OpenTelemetry's Python bindings, Parca's npm client
+# types, Chromium with selenium for the web view.
+tests/setup-tools.sh
 
 export FIRN_REQUIRE_BPF="${FIRN_REQUIRE_BPF:-1}"
 # Gates first, they are the quickest to fail: formatting, then clippy with warnings as

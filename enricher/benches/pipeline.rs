@@ -213,6 +213,24 @@ fn bench(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
             b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
         });
+        // The web view's query over the window, bounded at 20,000 stacks.
+        if n <= 20_000 {
+            let q = firn_enricher::view::Query::parse(&Default::default()).expect("default query");
+            let rounds = vec![std::sync::Arc::new(firn_enricher::enrich::Round {
+                session_id: 1,
+                round: 1,
+                start_ns: 0,
+                end_ns: 10_000_000_000,
+                frequency_hz: 19,
+                stacks: stack_samples.clone(),
+            })];
+            g.bench_function(BenchmarkId::new("view_build_json", n), |b| {
+                b.iter(|| {
+                    let v = firn_enricher::view::build(&rounds, &q, 0, 10_000_000_000, false);
+                    serde_json::to_vec(&v).map_or(0, |j| j.len())
+                })
+            });
+        }
         let otlp =
             firn_enricher::upload::otlp::encode(&round, firn_enricher::encode::ProfileBy::Process)
                 .map_or(0, |v| v.len());

@@ -1,6 +1,7 @@
 //! The local web view and scrape endpoints.
 //!
-//! `/metrics` Prometheus text · `/healthz` · `/profiles` latest label sets with sample
+//! `/` the page (flame graph, top functions, CPU over time; see `view/`) and its
+//! `/api/view` query · `/metrics` Prometheus text · `/healthz` · `/profiles` latest label sets with sample
 //! counts · `/profiles/{id}` one pprof · `/pprof/cpu?seconds=N[&label=value…]` a
 //! whole-host CPU profile of the last N seconds (what Parca's `scrape_configs` fetch) ·
 //! `/debug/pprof/profile?seconds=N` the enricher's own CPU profile (pprof crate).
@@ -48,6 +49,8 @@ pub struct Inner {
     pub recent_stacks: usize,
     pub last_batch: Option<SystemTime>,
     pub round_seconds: u32,
+    /// End of the newest round dropped for the stack bound (not for age).
+    pub evicted_through_ns: u64,
 }
 
 pub struct Shared {
@@ -92,6 +95,7 @@ impl Shared {
             };
             g.recent_stacks -= old.stacks.len();
             if !too_old {
+                g.evicted_through_ns = g.evicted_through_ns.max(old.end_ns);
                 Metrics::inc(&self.metrics.window_rounds_evicted);
                 tracing::info!(
                     round = old.round,
@@ -104,6 +108,10 @@ impl Shared {
 
 pub fn router(state: Arc<Shared>) -> Router {
     Router::new()
+        .route("/", get(page))
+        .route("/static/app.js", get(script))
+        .route("/static/style.css", get(style))
+        .route("/api/view", get(view))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/profiles", get(list))
@@ -121,6 +129,68 @@ pub fn router(state: Arc<Shared>) -> Router {
 async fn symbolz(State(s): State<Arc<Shared>>) -> Response {
     count(&s);
     ([(header::CONTENT_TYPE, "text/plain")], "num_symbols: 0\n").into_response()
+}
+
+/// Everything the page loads comes from here: no inline script, no other origin.
+const CSP: &str = "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'";
+
+async fn page(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CONTENT_SECURITY_POLICY, CSP),
+        ],
+        crate::view::PAGE,
+    )
+        .into_response()
+}
+
+async fn script(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    (
+        [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+        crate::view::SCRIPT,
+    )
+        .into_response()
+}
+
+async fn style(State(s): State<Arc<Shared>>) -> Response {
+    count(&s);
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        crate::view::STYLE,
+    )
+        .into_response()
+}
+
+/// The page's query: the window's call tree, top functions, CPU per round, processes.
+async fn view(State(s): State<Arc<Shared>>, Query(q): Query<HashMap<String, String>>) -> Response {
+    count(&s);
+    let q = match crate::view::Query::parse(&q) {
+        Ok(q) => q,
+        Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    };
+    let now = now_ns();
+    let from = now.saturating_sub(q.minutes * 60 * 1_000_000_000);
+    let (rounds, shortened): (Vec<Arc<Round>>, bool) = match s.inner.lock() {
+        Ok(g) => (
+            g.recent
+                .iter()
+                .filter(|r| r.end_ns > from)
+                .cloned()
+                .collect(),
+            g.evicted_through_ns > from,
+        ),
+        Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    };
+    // The tree of 20,000 stacks takes milliseconds; off the event loop all the same.
+    let built =
+        tokio::task::spawn_blocking(move || crate::view::build(&rounds, &q, from, now, shortened));
+    match built.await {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
 }
 
 fn count(s: &Shared) {

@@ -18,3 +18,4 @@ pub mod summary;
 pub mod symbolize;
 pub mod unwind;
 pub mod upload;
+pub mod view;

@@ -15,7 +15,7 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
             its RSS every 2 s and its peak (VmHWM over its whole life);
   upload    firn only, busy at 99 Hz: the enricher with the local sink alone, and with
             OTLP and Parca uploads on (to the test receivers in tests/receivers/, set
-            up by tests/receivers/setup.sh), interleaved; CPU over 60 s after 30 s, RSS,
+            up by tests/setup-tools.sh), interleaved; CPU over 60 s after 30 s, RSS,
             peak, and bytes sent per round and per 1,000 samples;
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
             short-lived processes (attribution to the right executable, enricher RSS
@@ -355,7 +355,7 @@ def upload_run(hz, mode, exe, rnd, warm=60, window=60):
         op, pp = free_port(), free_port()
         rx = ROOT / "tests" / "receivers"
         receivers = [
-            subprocess.Popen([str(ROOT / "target/receivers-venv/bin/python"), str(rx / "otlp_receiver.py"),
+            subprocess.Popen([str(ROOT / "target/test-venv/bin/python"), str(rx / "otlp_receiver.py"),
                               "--port", str(op), "--out", str(tmp / "otlp.jsonl")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
             subprocess.Popen(["node", "--import", "./resolve-js.mjs", "parca_receiver.mjs",
@@ -714,7 +714,7 @@ def main():
                 runs.append(rest_run(max(freqs), "four", exe, args.round, nofp=nofp))
             res["rest"] = runs
         if "upload" in parts:
-            subprocess.run([str(ROOT / "tests/receivers/setup.sh")], check=True)
+            subprocess.run([str(ROOT / "tests/setup-tools.sh")], check=True)
             runs = []
             for _ in range(args.upload_pairs):
                 for mode in ("local", "upload"):

@@ -1,7 +1,7 @@
 //! The upload tests' receivers, which no one here wrote the readers of: an OTLP
 //! profiles server on the OpenTelemetry project's Python bindings, and a Parca
 //! stand-in decoding with Parca's published client types (`tests/receivers/`,
-//! installed by `tests/receivers/setup.sh`). Each writes what arrives as JSON lines.
+//! installed by `tests/setup-tools.sh`). Each writes what arrives as JSON lines.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,7 +20,7 @@ pub fn free_port() -> u16 {
 fn started(p: Proc, what: &str) -> Proc {
     assert!(
         p.wait_for("listening", Duration::from_secs(30)).is_some(),
-        "{what} did not start (run tests/receivers/setup.sh): {:#?}",
+        "{what} did not start (run tests/setup-tools.sh): {:#?}",
         p.lines()
     );
     p
@@ -28,7 +28,7 @@ fn started(p: Proc, what: &str) -> Proc {
 
 /// The OTLP receiver on `port`, appending to `out`; `extra`: --delay S, --fail CODE:N.
 pub fn start_otlp_receiver(port: u16, out: &Path, extra: &[&str]) -> Proc {
-    let python = repo_root().join("target/receivers-venv/bin/python");
+    let python = repo_root().join("target/test-venv/bin/python");
     let mut cmd = Command::new(python);
     cmd.arg(repo_root().join("tests/receivers/otlp_receiver.py"))
         .args(["--port", &port.to_string(), "--out"])

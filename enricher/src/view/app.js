@@ -1,0 +1,267 @@
+// firn's local web view: one query (/api/view) per change of window or filter; the
+// flame graph, the CPU chart and the tables are drawn here as SVG and HTML, no library.
+"use strict";
+
+const FILTERS = [["comm", "comm"], ["executable", "executable"], ["container_id", "container"],
+                 ["systemd_unit", "systemd unit"], ["pod", "pod"]];
+const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#6b7280"];
+const ROW = 17;
+const SVG = "http://www.w3.org/2000/svg";
+
+const state = { minutes: 5, filters: {}, view: null, zoom: [], search: "" };
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs, text) {
+    const e = tag.startsWith("svg:") ? document.createElementNS(SVG, tag.slice(4)) : document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+    if (text !== undefined) e.textContent = text;
+    return e;
+}
+
+function query() {
+    const p = new URLSearchParams({ minutes: String(state.minutes) });
+    for (const [k, v] of Object.entries(state.filters)) if (v) p.set(k, v);
+    return p;
+}
+
+function saveHash() {
+    history.replaceState(null, "", "#" + query().toString());
+}
+
+function loadHash() {
+    const p = new URLSearchParams(location.hash.slice(1));
+    if (p.has("minutes")) state.minutes = Number(p.get("minutes")) || 5;
+    for (const [k, v] of p) if (k !== "minutes") state.filters[k] = v;
+}
+
+async function refresh(keepZoom) {
+    saveHash();
+    $("minutes").value = String(state.minutes);
+    const p = query();
+    const dl = new URLSearchParams(p);
+    dl.delete("minutes");
+    dl.set("seconds", String(state.minutes * 60));
+    $("download").href = "/pprof/cpu?" + dl.toString();
+    let r;
+    try {
+        r = await fetch("/api/view?" + p.toString());
+    } catch (e) {
+        return showError("cannot reach the enricher: " + e);
+    }
+    const body = await r.text();
+    if (!r.ok) return showError(body);
+    $("error").hidden = true;
+    state.view = JSON.parse(body);
+    if (!keepZoom) state.zoom = [];
+    draw();
+}
+
+function showError(msg) {
+    $("error").textContent = msg;
+    $("error").hidden = false;
+}
+
+function draw() {
+    const v = state.view;
+    $("node").textContent = v.node;
+    const secs = (v.to_ns - v.from_ns) / 1e9;
+    $("status").textContent = `${v.total} samples in ${v.stacks} stacks over ${v.rounds} rounds` +
+        (secs > 0 ? ` (${Math.round(secs)} s)` : "") +
+        (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks are kept)" : "");
+    drawFilters();
+    drawChart();
+    drawFlame();
+    drawTop();
+    drawProcesses();
+}
+
+function drawFilters() {
+    const box = $("filters");
+    box.replaceChildren();
+    for (const [key, label] of FILTERS) {
+        const values = state.view.choices[key] || [];
+        if (!values.length && !state.filters[key]) continue;
+        const sel = el("select", { "data-filter": key });
+        sel.append(el("option", { value: "" }, `all (${values.length})`));
+        for (const [value, n] of values) sel.append(el("option", { value }, `${value} (${n})`));
+        if (state.filters[key] && !values.some(([x]) => x === state.filters[key])) {
+            sel.append(el("option", { value: state.filters[key] }, state.filters[key]));
+        }
+        sel.value = state.filters[key] || "";
+        sel.addEventListener("change", () => { state.filters[key] = sel.value; refresh(); });
+        const l = el("label", {}, label + " ");
+        l.append(sel);
+        box.append(l);
+    }
+    if (state.filters.pid) {
+        const b = el("button", { type: "button", id: "pid-filter" }, `pid ${state.filters.pid} ✕`);
+        b.addEventListener("click", () => { delete state.filters.pid; refresh(); });
+        box.append(b);
+    }
+}
+
+function drawChart() {
+    const box = $("chart");
+    box.replaceChildren();
+    const series = state.view.series;
+    if (!series.length) { box.textContent = "no samples in this window"; return; }
+    const W = Math.max(300, box.clientWidth || 800), H = 140, pad = 30;
+    const xs = series[0].points.map((p) => p[0]);
+    const x0 = Math.min(...xs), x1 = Math.max(...xs);
+    const ymax = Math.max(1, ...series.flatMap((s) => s.points.map((p) => p[1])));
+    const svg = el("svg:svg", { width: W, height: H, id: "chart-svg" });
+    svg.append(el("svg:text", { x: 2, y: 12, "font-size": 10 }, ymax.toFixed(1)));
+    svg.append(el("svg:text", { x: 2, y: H - 4, "font-size": 10 }, "0"));
+    const legend = el("div", { class: "legend" });
+    series.forEach((s, i) => {
+        const color = COLORS[i % COLORS.length];
+        const pts = s.points.map((p) => {
+            const x = pad + (x1 > x0 ? (p[0] - x0) / (x1 - x0) : 0.5) * (W - pad - 5);
+            const y = H - 5 - (p[1] / ymax) * (H - 15);
+            return `${x.toFixed(1)},${y.toFixed(1)}`;
+        });
+        svg.append(el("svg:polyline", { points: pts.join(" "), fill: "none", stroke: color, "stroke-width": 1.5 }));
+        const item = el("span", { "data-series": s.key });
+        const swatch = el("i", {});
+        swatch.style.background = color;
+        item.append(swatch, document.createTextNode(s.key));
+        if (s.filter) {
+            item.addEventListener("click", () => { state.filters[s.filter[0]] = s.filter[1]; refresh(); });
+        }
+        legend.append(item);
+    });
+    box.append(svg, legend);
+}
+
+function hue(name) {
+    let h = 0;
+    for (let i = 0; i < name.length; i++) h = (h * 31 + name.charCodeAt(i)) >>> 0;
+    return h;
+}
+
+function color(name, depth) {
+    if (depth === 0) return "#9ca3af";
+    if (name.startsWith("[") || /^0x|\+0x/.test(name)) return "#d1d5db";
+    const h = hue(name);
+    return `hsl(${10 + (h % 45)}, ${70 + (h % 20)}%, ${55 + (h % 15)}%)`;
+}
+
+function drawFlame() {
+    const v = state.view, box = $("flame");
+    box.replaceChildren();
+    let root = v.tree;
+    const path = [];
+    for (const i of state.zoom) {
+        if (!root[2][i]) { state.zoom = []; return drawFlame(); }
+        path.push(root);
+        root = root[2][i];
+    }
+    const W = Math.max(300, box.clientWidth || 1000);
+    let depthMax = 0;
+    const nodes = [];
+    const total = root[1] || 1;
+    let re = null;
+    if (state.search) { try { re = new RegExp(state.search, "i"); } catch (e) { re = null; } }
+    let matched = 0;
+    const walk = (n, x, depth, idxPath) => {
+        const w = (n[1] / total) * W;
+        if (w < 0.5) return;
+        nodes.push([n, x, w, depth, idxPath]);
+        depthMax = Math.max(depthMax, depth);
+        let cx = x;
+        n[2].forEach((c, i) => { walk(c, cx, depth + 1, idxPath.concat([i])); cx += (c[1] / total) * W; });
+    };
+    walk(root, 0, 0, []);
+    // Ancestors of the zoomed node stay visible above it, full width.
+    const top = path.length;
+    const H = (depthMax + 1 + top) * ROW;
+    const svg = el("svg:svg", { width: W, height: H, id: "flame-svg" });
+    path.forEach((a, i) => {
+        const name = v.names[a[0]];
+        const g = el("svg:g", { "data-zoom-out": i });
+        const rect = el("svg:rect", { x: 0, y: i * ROW, width: W, height: ROW - 1, fill: "#e5e7eb" });
+        rect.append(el("svg:title", {}, `${name} — click to zoom out`));
+        g.append(rect, el("svg:text", { x: 3, y: i * ROW + 12 }, name));
+        g.addEventListener("click", () => { state.zoom = state.zoom.slice(0, i); drawFlame(); });
+        svg.append(g);
+    });
+    const matches = new Set();
+    for (const [n, x, w, depth, idxPath] of nodes) {
+        const name = v.names[n[0]];
+        const y = (depth + top) * ROW;
+        const rect = el("svg:rect", { x: x.toFixed(2), y, width: Math.max(0.5, w - 0.5).toFixed(2), height: ROW - 1,
+                                      fill: color(name, depth + top), "data-name": name });
+        const pct = (100 * n[1] / (v.total || 1)).toFixed(2);
+        rect.append(el("svg:title", {}, `${name}\n${n[1]} samples (${pct} % of all)`));
+        if (re && depth + top > 0 && re.test(name)) {
+            rect.classList.add("match");
+            matches.add(idxPath.join("."));
+        }
+        const g = el("svg:g", {});
+        g.append(rect);
+        if (w > 30) {
+            const chars = Math.floor((w - 6) / 6.6);
+            const label = name.length > chars ? name.slice(0, Math.max(1, chars - 1)) + "…" : name;
+            g.append(el("svg:text", { x: (x + 3).toFixed(2), y: y + 12 }, label));
+        }
+        g.addEventListener("click", () => { state.zoom = state.zoom.concat(idxPath); drawFlame(); });
+        svg.append(g);
+    }
+    // Matched share: matched nodes not under another matched node.
+    if (re) {
+        for (const [n, , , , idxPath] of nodes) {
+            const key = idxPath.join(".");
+            if (!matches.has(key)) continue;
+            let covered = false;
+            for (let k = 1; k < idxPath.length; k++) if (matches.has(idxPath.slice(0, k).join("."))) covered = true;
+            if (!covered) matched += n[1];
+        }
+    }
+    box.append(svg);
+    $("flame-info").textContent = (state.zoom.length ? "zoomed; click a bar above to zoom out · " : "click a frame to zoom · ") +
+        (re ? `search matches ${(100 * matched / total).toFixed(1)} % of samples shown` : `${v.folded_nodes} small nodes folded into […]`);
+}
+
+function drawTop() {
+    const v = state.view, tb = $("top").tBodies[0];
+    tb.replaceChildren();
+    const t = v.total || 1;
+    for (const f of v.top) {
+        const tr = el("tr", {});
+        const name = el("td", { class: "fn", title: f.name }, f.name);
+        name.addEventListener("click", () => { $("search").value = f.name.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"); onSearch(); });
+        tr.append(name, el("td", {}, String(f.flat)), el("td", {}, (100 * f.flat / t).toFixed(1)),
+                  el("td", {}, String(f.cum)), el("td", {}, (100 * f.cum / t).toFixed(1)));
+        tb.append(tr);
+    }
+}
+
+function drawProcesses() {
+    const tb = $("processes").tBodies[0];
+    tb.replaceChildren();
+    for (const p of state.view.processes) {
+        const tr = el("tr", { "data-pid": p.pid });
+        tr.append(el("td", {}, p.pid), el("td", {}, p.comm), el("td", {}, p.executable),
+                  el("td", {}, p.container_id.slice(0, 12)), el("td", {}, String(p.samples)));
+        tr.addEventListener("click", () => { if (p.pid) { state.filters.pid = p.pid; refresh(); } });
+        tb.append(tr);
+    }
+}
+
+function onSearch() {
+    state.search = $("search").value.trim();
+    if (state.view) drawFlame();
+}
+
+// For tests and the console: the data behind the page.
+window.__firnView = () => state.view;
+
+window.addEventListener("DOMContentLoaded", () => {
+    loadHash();
+    $("minutes").addEventListener("change", () => { state.minutes = Number($("minutes").value); refresh(); });
+    $("search").addEventListener("input", onSearch);
+    $("reset").addEventListener("click", () => { state.filters = {}; state.zoom = []; $("search").value = ""; state.search = ""; refresh(); });
+    window.addEventListener("resize", () => { if (state.view) { drawChart(); drawFlame(); } });
+    refresh();
+    setInterval(() => { if (!document.hidden) refresh(true); }, 30000);
+});

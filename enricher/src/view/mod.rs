@@ -1,0 +1,491 @@
+//! The local web view: a page at `/` (HTML, script and style embedded in the binary, so
+//! it works offline) and the one JSON query it makes, `/api/view`, answered from the
+//! bounded window `/pprof/cpu` keeps (the last hour, at most 20,000 stacks).
+//!
+//! `/api/view?minutes=N[&label=value…]` gives, for the window and the filter: the
+//! merged call tree (flame graph; nodes under 1/5,000 of the total fold into their
+//! parent's `[…]` child), the top functions (flat and cumulative), CPU per round for the
+//! busiest processes or containers, the processes, and the filter choices.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::enrich::Round;
+use crate::profile::{Frame, StackSample};
+
+pub const PAGE: &str = include_str!("page.html");
+pub const SCRIPT: &str = include_str!("app.js");
+pub const STYLE: &str = include_str!("style.css");
+
+/// Windows the page offers, in minutes; anything else is refused.
+pub const WINDOWS: [u64; 4] = [1, 5, 15, 60];
+/// Labels the page filters by.
+pub const FILTERS: [&str; 6] = [
+    "comm",
+    "executable",
+    "container_id",
+    "systemd_unit",
+    "pod",
+    "pid",
+];
+/// A node whose samples are below total / this is folded.
+const PRUNE: u64 = 5_000;
+const TOP_FUNCTIONS: usize = 100;
+const SERIES: usize = 8;
+const PROCESSES: usize = 100;
+const CHOICES: usize = 200;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ViewError {
+    #[error("minutes must be one of 1, 5, 15 or 60 (the enricher keeps the last hour, at most 20,000 stacks); got {0:?}")]
+    Window(String),
+    #[error(
+        "unknown filter {0:?}: filter by comm, executable, container_id, systemd_unit, pod or pid"
+    )]
+    Filter(String),
+}
+
+/// What the page asked for.
+pub struct Query {
+    pub minutes: u64,
+    pub filters: Vec<(String, String)>,
+    /// Group the CPU chart by `process` (default) or `container`.
+    pub by_container: bool,
+}
+
+impl Query {
+    pub fn parse(q: &HashMap<String, String>) -> Result<Query, ViewError> {
+        let minutes = match q.get("minutes") {
+            None => 5,
+            Some(m) => match m.parse::<u64>() {
+                Ok(n) if WINDOWS.contains(&n) => n,
+                _ => return Err(ViewError::Window(m.clone())),
+            },
+        };
+        let mut filters = Vec::new();
+        for (k, v) in q {
+            if k == "minutes" || k == "by" || v.is_empty() {
+                continue;
+            }
+            if !FILTERS.contains(&k.as_str()) {
+                return Err(ViewError::Filter(k.clone()));
+            }
+            filters.push((k.clone(), v.clone()));
+        }
+        filters.sort();
+        Ok(Query {
+            minutes,
+            filters,
+            by_container: q.get("by").is_some_and(|b| b == "container"),
+        })
+    }
+}
+
+/// One node of the call tree: `[name index, samples, children]`.
+#[derive(Serialize)]
+pub struct Node(u32, u64, Vec<Node>);
+
+#[derive(Serialize)]
+pub struct Function {
+    pub name: String,
+    pub flat: u64,
+    pub cum: u64,
+}
+
+#[derive(Serialize)]
+pub struct Series {
+    pub key: String,
+    /// The filter a click on it applies.
+    pub filter: Option<(String, String)>,
+    /// (round end, ms of CPU per second) per round of the window.
+    pub points: Vec<(u64, f64)>,
+}
+
+#[derive(Serialize)]
+pub struct Process {
+    pub pid: String,
+    pub comm: String,
+    pub executable: String,
+    pub container_id: String,
+    pub samples: u64,
+}
+
+#[derive(Serialize)]
+pub struct View {
+    pub minutes: u64,
+    /// The `node` label of the window's stacks.
+    pub node: String,
+    pub from_ns: u64,
+    pub to_ns: u64,
+    pub rounds: usize,
+    pub stacks: usize,
+    /// The window reaches back less than asked (the stack bound dropped older rounds).
+    pub shortened: bool,
+    pub total: u64,
+    pub period_ns: u64,
+    pub names: Vec<String>,
+    pub tree: Node,
+    pub folded_nodes: u64,
+    pub top: Vec<Function>,
+    pub series: Vec<Series>,
+    pub processes: Vec<Process>,
+    /// Filter name → its values in the window, busiest first.
+    pub choices: BTreeMap<String, Vec<(String, u64)>>,
+}
+
+/// A chart series being summed: the filter a click applies, samples per round end.
+type Summing = (Option<(String, String)>, BTreeMap<u64, u64>);
+
+fn label<'a>(s: &'a StackSample, k: &str) -> Option<&'a str> {
+    s.labels
+        .iter()
+        .find(|(n, _)| n == k)
+        .map(|(_, v)| v.as_str())
+}
+
+/// Names of a stack from the root to the leaf: the process's comm, then the frames
+/// (inline frames expanded, callers first).
+fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
+    out.clear();
+    out.push(Arc::from(label(s, "comm").unwrap_or("?")));
+    for f in s.frames.iter().rev() {
+        match f {
+            Frame::Kernel(name) => out.push(name.clone()),
+            Frame::User {
+                lines: Some(lines), ..
+            } => out.extend(lines.iter().rev().map(|l| l.function.clone())),
+            Frame::User {
+                mapping, address, ..
+            } => {
+                let name = match mapping {
+                    Some(m) => {
+                        let base = m.file.rsplit('/').next().unwrap_or(&m.file);
+                        format!("{base}+{:#x}", address - m.start + m.offset)
+                    }
+                    None => format!("{address:#x}"),
+                };
+                out.push(Arc::from(name.as_str()));
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tree {
+    value: u64,
+    children: HashMap<u32, Tree>,
+}
+
+struct Names {
+    index: HashMap<Arc<str>, u32>,
+    list: Vec<String>,
+}
+
+impl Names {
+    fn id(&mut self, s: &Arc<str>) -> u32 {
+        if let Some(&i) = self.index.get(s) {
+            return i;
+        }
+        let i = self.list.len() as u32;
+        self.list.push(s.to_string());
+        self.index.insert(s.clone(), i);
+        i
+    }
+}
+
+fn freeze(t: Tree, name: u32, min: u64, other: u32, folded: &mut u64) -> Node {
+    let mut kids: Vec<(u32, Tree)> = t.children.into_iter().collect();
+    kids.sort_by(|a, b| b.1.value.cmp(&a.1.value).then(a.0.cmp(&b.0)));
+    let mut out = Vec::new();
+    let mut rest = 0;
+    for (n, k) in kids {
+        if k.value < min {
+            rest += k.value;
+            *folded += 1;
+        } else {
+            out.push(freeze(k, n, min, other, folded));
+        }
+    }
+    if rest > 0 {
+        out.push(Node(other, rest, Vec::new()));
+    }
+    Node(name, t.value, out)
+}
+
+/// The view of `rounds` (the window, oldest first) for `q`; `shortened`: rounds of the
+/// window were dropped for the stack bound.
+pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shortened: bool) -> View {
+    let mut names = Names {
+        index: HashMap::new(),
+        list: Vec::new(),
+    };
+    let root_name = names.id(&Arc::from("all"));
+    let other = names.id(&Arc::from("[…]"));
+    let mut tree = Tree::default();
+    let mut flat: HashMap<u32, u64> = HashMap::new();
+    let mut cum: HashMap<u32, u64> = HashMap::new();
+    let mut choices: HashMap<&'static str, HashMap<String, u64>> = HashMap::new();
+    let mut procs: HashMap<(String, String), Process> = HashMap::new();
+    let mut series: HashMap<String, Summing> = HashMap::new();
+    let mut total = 0u64;
+    let mut stacks = 0usize;
+    let mut node = String::new();
+    let mut names_buf = Vec::new();
+    let mut ids: Vec<u32> = Vec::new();
+    let mut seen: Vec<u32> = Vec::new();
+    let period_ns = rounds
+        .first()
+        .map_or(0, |r| 1_000_000_000 / u64::from(r.frequency_hz.max(1)));
+    for r in rounds {
+        for s in &r.stacks {
+            if node.is_empty() {
+                node = label(s, "node").unwrap_or("").to_string();
+            }
+            for k in FILTERS {
+                if let Some(v) = label(s, k) {
+                    *choices
+                        .entry(k)
+                        .or_default()
+                        .entry(v.to_string())
+                        .or_insert(0) += s.count;
+                }
+            }
+            let keep = q
+                .filters
+                .iter()
+                .all(|(k, v)| label(s, k) == Some(v.as_str()));
+            if !keep {
+                continue;
+            }
+            stacks += 1;
+            total += s.count;
+            path(s, &mut names_buf);
+            ids.clear();
+            ids.extend(names_buf.iter().map(|n| names.id(n)));
+            let mut node = &mut tree;
+            node.value += s.count;
+            for &id in &ids {
+                node = node.children.entry(id).or_default();
+                node.value += s.count;
+            }
+            // The comm level is not a function.
+            if let Some(&leaf) = ids.last().filter(|_| ids.len() > 1) {
+                *flat.entry(leaf).or_insert(0) += s.count;
+            }
+            seen.clear();
+            for &id in ids.iter().skip(1) {
+                if !seen.contains(&id) {
+                    seen.push(id);
+                    *cum.entry(id).or_insert(0) += s.count;
+                }
+            }
+            let pid = label(s, "pid").unwrap_or("").to_string();
+            let comm = label(s, "comm").unwrap_or("?").to_string();
+            let p = procs
+                .entry((pid.clone(), comm.clone()))
+                .or_insert_with(|| Process {
+                    pid: pid.clone(),
+                    comm: comm.clone(),
+                    executable: label(s, "executable").unwrap_or("").to_string(),
+                    container_id: label(s, "container_id").unwrap_or("").to_string(),
+                    samples: 0,
+                });
+            p.samples += s.count;
+            let (key, filter) = if q.by_container {
+                match label(s, "container_id") {
+                    Some(c) => (
+                        c.chars().take(12).collect(),
+                        Some(("container_id".into(), c.into())),
+                    ),
+                    None => ("host".to_string(), None),
+                }
+            } else if pid.is_empty() {
+                (comm.clone(), Some(("comm".into(), comm.clone())))
+            } else {
+                (format!("{comm} ({pid})"), Some(("pid".into(), pid.clone())))
+            };
+            *series
+                .entry(key)
+                .or_insert_with(|| (filter, BTreeMap::new()))
+                .1
+                .entry(r.end_ns)
+                .or_insert(0) += s.count;
+        }
+    }
+    let mut folded = 0;
+    let min = (total / PRUNE).max(1);
+    let tree = freeze(tree, root_name, min, other, &mut folded);
+    let mut top: Vec<Function> = cum
+        .iter()
+        .map(|(&id, &c)| Function {
+            name: names.list[id as usize].clone(),
+            flat: flat.get(&id).copied().unwrap_or(0),
+            cum: c,
+        })
+        .collect();
+    top.sort_by(|a, b| {
+        b.flat
+            .cmp(&a.flat)
+            .then(b.cum.cmp(&a.cum))
+            .then(a.name.cmp(&b.name))
+    });
+    top.truncate(TOP_FUNCTIONS);
+    // CPU per round: samples × period over the round's length.
+    let spans: Vec<(u64, u64)> = rounds
+        .iter()
+        .map(|r| (r.end_ns, r.end_ns.saturating_sub(r.start_ns).max(1)))
+        .collect();
+    let mut ranked: Vec<(String, Summing)> = series.into_iter().collect();
+    ranked.sort_by(|a, b| {
+        let sa: u64 = a.1 .1.values().sum();
+        let sb: u64 = b.1 .1.values().sum();
+        sb.cmp(&sa).then(a.0.cmp(&b.0))
+    });
+    let mut out_series = Vec::new();
+    let mut others: BTreeMap<u64, u64> = BTreeMap::new();
+    for (i, (key, (filter, points))) in ranked.into_iter().enumerate() {
+        if i < SERIES {
+            out_series.push((key, filter, points));
+        } else {
+            for (t, n) in points {
+                *others.entry(t).or_insert(0) += n;
+            }
+        }
+    }
+    if !others.is_empty() {
+        out_series.push(("others".into(), None, others));
+    }
+    let series = out_series
+        .into_iter()
+        .map(|(key, filter, points)| Series {
+            key,
+            filter,
+            points: spans
+                .iter()
+                .map(|&(end, len)| {
+                    let n = points.get(&end).copied().unwrap_or(0);
+                    (end, (n * period_ns) as f64 / len as f64 * 1000.0)
+                })
+                .collect(),
+        })
+        .collect();
+    let mut processes: Vec<Process> = procs.into_values().collect();
+    processes.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.pid.cmp(&b.pid)));
+    processes.truncate(PROCESSES);
+    let choices = choices
+        .into_iter()
+        .map(|(k, m)| {
+            let mut v: Vec<(String, u64)> = m.into_iter().collect();
+            v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            v.truncate(CHOICES);
+            (k.to_string(), v)
+        })
+        .collect();
+    View {
+        minutes: q.minutes,
+        from_ns,
+        to_ns,
+        rounds: rounds.len(),
+        stacks,
+        shortened,
+        node,
+        total,
+        period_ns,
+        names: names.list,
+        tree,
+        folded_nodes: folded,
+        top,
+        series,
+        processes,
+        choices,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::profile::LabelSet;
+    use crate::symbolize::Line;
+
+    fn stack(pid: &str, comm: &str, fns: &[&str], count: u64) -> StackSample {
+        let labels: Arc<LabelSet> = Arc::new(vec![
+            ("comm".into(), comm.into()),
+            ("pid".into(), pid.into()),
+        ]);
+        let frames: Vec<Frame> = fns
+            .iter()
+            .map(|f| Frame::User {
+                mapping: None,
+                address: 1,
+                lines: Some(Arc::from(vec![Line {
+                    function: Arc::from(*f),
+                    file: Arc::from(""),
+                    line: 0,
+                }])),
+            })
+            .collect();
+        StackSample {
+            process_id: 1,
+            labels,
+            frames: Arc::from(frames),
+            count,
+        }
+    }
+
+    fn q(pairs: &[(&str, &str)]) -> Result<Query, ViewError> {
+        Query::parse(
+            &pairs
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn tree_top_and_filters() {
+        let round = Arc::new(Round {
+            session_id: 1,
+            round: 1,
+            start_ns: 0,
+            end_ns: 1_000_000_000,
+            frequency_hz: 100,
+            stacks: vec![
+                stack("1", "a", &["leaf", "mid", "main"], 3),
+                stack("1", "a", &["mid", "main"], 1),
+                stack("2", "b", &["other", "main"], 2),
+            ],
+        });
+        let v = build(
+            std::slice::from_ref(&round),
+            &q(&[]).unwrap(),
+            0,
+            1_000_000_000,
+            false,
+        );
+        assert_eq!(v.total, 6);
+        assert_eq!(v.tree.1, 6);
+        let name = |i: u32| v.names[i as usize].as_str();
+        let comms: Vec<&str> = v.tree.2.iter().map(|n| name(n.0)).collect();
+        assert_eq!(comms, ["a", "b"]);
+        let leaf = v.top.iter().find(|f| f.name == "leaf").unwrap();
+        assert_eq!((leaf.flat, leaf.cum), (3, 3));
+        let main = v.top.iter().find(|f| f.name == "main").unwrap();
+        assert_eq!((main.flat, main.cum), (0, 6));
+        assert_eq!(v.series[0].key, "a (1)");
+        // 4 samples × 10 ms over 1 s = 40 ms/s.
+        assert!((v.series[0].points[0].1 - 40.0).abs() < 1e-9);
+        let only_b = build(&[round], &q(&[("pid", "2")]).unwrap(), 0, 1, false);
+        assert_eq!(only_b.total, 2);
+        assert_eq!(
+            only_b.choices["pid"].len(),
+            2,
+            "choices come from the whole window"
+        );
+        assert!(q(&[("minutes", "120")]).is_err());
+        assert!(q(&[("minutes", "x")]).is_err());
+        assert!(q(&[("cmdline", "x")]).is_err());
+        assert_eq!(q(&[("minutes", "60")]).unwrap().minutes, 60);
+    }
+}

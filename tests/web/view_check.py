@@ -1,0 +1,127 @@
+"""Drives Debian's headless Chromium (selenium + chromedriver) against a running firn
+enricher's web view and checks what a person would see. Run by tests/tests/view.rs.
+
+Checks: the page loads without console errors; the flame graph names the workload's
+functions; choosing a process narrows every part of the page to it; search highlights
+frames; the download link serves a pprof (saved for `go tool pprof`); a window over the
+hour is refused with a message. Screenshots go to --shots.
+"""
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+
+def browser():
+    o = Options()
+    o.binary_location = "/usr/bin/chromium"
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--window-size=1400,1100", f"--user-data-dir={tempfile.mkdtemp(prefix='firn-chromium-')}"):
+        o.add_argument(a)
+    o.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=o)
+
+
+def wait(what, cond, timeout=30):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        try:
+            v = cond()
+            if v:
+                return v
+        except Exception:  # noqa: BLE001 (the page is redrawing)
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def names(d):
+    return {r.get_attribute("data-name") for r in d.find_elements(By.CSS_SELECTOR, "#flame-svg rect[data-name]")}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--pid", required=True)
+    ap.add_argument("--function", required=True, help="a function of the workload, e.g. hot_leaf")
+    ap.add_argument("--shots", required=True)
+    ap.add_argument("--pprof-out", required=True)
+    a = ap.parse_args()
+    d = browser()
+    report = {}
+    try:
+        t0 = time.time()
+        d.get(a.url + "/")
+        wait("the flame graph", lambda: a.function in names(d))
+        report["first_draw_s"] = round(time.time() - t0, 2)
+        d.save_screenshot(f"{a.shots}/view-machine.png")
+        errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, f"console errors: {errors}"
+        procs = d.find_elements(By.CSS_SELECTOR, "#processes tbody tr")
+        report["processes_before"] = len(procs)
+        assert len(procs) > 1, "the whole machine shows more than one process"
+
+        # A click on the workload's process: every part narrows to it.
+        row = wait("the workload's row", lambda: d.find_element(By.CSS_SELECTOR, f'#processes tr[data-pid="{a.pid}"]'))
+        row.click()
+        wait("the pid filter", lambda: d.find_element(By.ID, "pid-filter"))
+        wait("one process", lambda: [r.get_attribute("data-pid") for r in
+                                     d.find_elements(By.CSS_SELECTOR, "#processes tbody tr")] == [a.pid])
+        comms = d.execute_script(
+            "const v = window.__firnView(); return v.tree[2].map(n => v.names[n[0]]);")
+        assert len(comms) == 1, f"flame graph roots after the filter: {comms}"
+        assert a.function in names(d)
+        assert "pid=" + a.pid in d.current_url or f"pid={a.pid}" in d.current_url
+        href = d.find_element(By.ID, "download").get_attribute("href")
+        assert f"pid={a.pid}" in href, href
+        d.save_screenshot(f"{a.shots}/view-process.png")
+
+        # Search highlights.
+        box = d.find_element(By.ID, "search")
+        box.send_keys(a.function)
+        wait("highlighted frames", lambda: d.find_elements(By.CSS_SELECTOR, "#flame-svg rect.match"))
+        report["matches"] = len(d.find_elements(By.CSS_SELECTOR, "#flame-svg rect.match"))
+        info = d.find_element(By.ID, "flame-info").text
+        assert "search matches" in info, info
+        d.save_screenshot(f"{a.shots}/view-search.png")
+
+        # Zoom into the highlighted frame and out again.
+        d.find_element(By.CSS_SELECTOR, "#flame-svg rect.match").click()
+        wait("zoomed", lambda: "zoomed" in d.find_element(By.ID, "flame-info").text)
+
+        # The download link serves a pprof.
+        with urllib.request.urlopen(href, timeout=30) as r:
+            body = r.read()
+        assert body[:2] == b"\x1f\x8b", "not gzip"
+        open(a.pprof_out, "wb").write(body)
+        report["pprof_bytes"] = len(body)
+
+        # Too large a window is refused with a message, shown on the page too.
+        try:
+            urllib.request.urlopen(a.url + "/api/view?minutes=120", timeout=10)
+            raise AssertionError("minutes=120 was accepted")
+        except urllib.error.HTTPError as e:
+            msg = e.read().decode()
+            assert e.code == 400 and "60" in msg, (e.code, msg)
+            report["refusal"] = msg.strip()
+        d.get(a.url + "/?again#minutes=120")  # a new document, not a hash change
+        wait("the refusal on the page", lambda: d.find_element(By.ID, "error").is_displayed())
+        report["page_refusal"] = d.find_element(By.ID, "error").text
+        errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "/api/view" not in e["message"]]
+        assert not errors, f"console errors: {errors}"
+    finally:
+        d.quit()
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
