@@ -213,22 +213,35 @@ fn bench(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
             b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
         });
-        // The web view's query over the window, bounded at 20,000 stacks.
-        if n <= 20_000 {
+        // The web view's query over the window at its bound: 20,000 stacks (the 10k
+        // round twice, as two rounds).
+        if n == 10_000 {
             let q = firn_enricher::view::Query::parse(&Default::default()).expect("default query");
-            let rounds = vec![std::sync::Arc::new(firn_enricher::enrich::Round {
-                session_id: 1,
-                round: 1,
-                start_ns: 0,
-                end_ns: 10_000_000_000,
-                frequency_hz: 19,
-                stacks: stack_samples.clone(),
-            })];
-            g.bench_function(BenchmarkId::new("view_build_json", n), |b| {
-                b.iter(|| {
-                    let v = firn_enricher::view::build(&rounds, &q, 0, 10_000_000_000, false);
-                    serde_json::to_vec(&v).map_or(0, |j| j.len())
+            let rounds: Vec<_> = (0..2u64)
+                .map(|i| {
+                    std::sync::Arc::new(firn_enricher::enrich::Round {
+                        session_id: 1,
+                        round: i + 1,
+                        start_ns: i * 10_000_000_000,
+                        end_ns: (i + 1) * 10_000_000_000,
+                        frequency_hz: 19,
+                        stacks: stack_samples.clone(),
+                    })
                 })
+                .collect();
+            let json = |r: &[std::sync::Arc<firn_enricher::enrich::Round>]| {
+                let v = firn_enricher::view::build(r, &q, 0, 20_000_000_000, false);
+                serde_json::to_vec(&v).map_or(0, |j| j.len())
+            };
+            let v = firn_enricher::view::build(&rounds, &q, 0, 20_000_000_000, false);
+            println!(
+                "view of 20,000 stacks: {} bytes of JSON, {} stacks cut short at the node bound, {} nodes folded",
+                json(&rounds),
+                v.cut_short,
+                v.folded_nodes
+            );
+            g.bench_function(BenchmarkId::new("view_build_json", 20_000), |b| {
+                b.iter(|| json(&rounds))
             });
         }
         let otlp =

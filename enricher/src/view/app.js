@@ -67,7 +67,8 @@ function draw() {
     const secs = (v.to_ns - v.from_ns) / 1e9;
     $("status").textContent = `${v.total} samples in ${v.stacks} stacks over ${v.rounds} rounds` +
         (secs > 0 ? ` (${Math.round(secs)} s)` : "") +
-        (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks are kept)" : "");
+        (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks are kept)" : "") +
+        (v.cut_short ? ` — ${v.cut_short} stacks too varied for the flame graph's bound end early` : "");
     drawFilters();
     drawChart();
     drawFlame();
@@ -105,7 +106,7 @@ function drawChart() {
     box.replaceChildren();
     const series = state.view.series;
     if (!series.length) { box.textContent = "no samples in this window"; return; }
-    const W = Math.max(300, box.clientWidth || 800), H = 140, pad = 30;
+    const W = Math.max(300, (box.clientWidth || 800) - 2), H = 140, pad = 30;
     const xs = series[0].points.map((p) => p[0]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs);
     const ymax = Math.max(1, ...series.flatMap((s) => s.points.map((p) => p[1])));
@@ -156,7 +157,7 @@ function drawFlame() {
         path.push(root);
         root = root[2][i];
     }
-    const W = Math.max(300, box.clientWidth || 1000);
+    const W = Math.max(300, (box.clientWidth || 1000) - 2);
     let depthMax = 0;
     const nodes = [];
     const total = root[1] || 1;

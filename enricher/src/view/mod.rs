@@ -36,6 +36,10 @@ const TOP_FUNCTIONS: usize = 100;
 const SERIES: usize = 8;
 const PROCESSES: usize = 100;
 const CHOICES: usize = 200;
+/// Tree nodes built at most per query: the query's memory bound (~40 bytes a node).
+/// Past it, a stack's remaining frames count in the deepest node already there, and
+/// the answer says how many stacks were cut short.
+const MAX_NODES: usize = 400_000;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ViewError {
@@ -128,6 +132,8 @@ pub struct View {
     pub names: Vec<String>,
     pub tree: Node,
     pub folded_nodes: u64,
+    /// Stacks whose deepest frames were not placed: the tree reached its node bound.
+    pub cut_short: u64,
     pub top: Vec<Function>,
     pub series: Vec<Series>,
     pub processes: Vec<Process>,
@@ -172,151 +178,288 @@ fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
     }
 }
 
-#[derive(Default)]
+/// Hashes small integer ids with one multiplication (the keys here are our own dense
+/// ids, so SipHash's protection buys nothing and cost most of the time).
+#[derive(Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        // splitmix64's finalizer: every input bit reaches the low (bucket) and high
+        // (tag) bits that hashbrown uses.
+        let mut x = self.0;
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^ (x >> 31)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.0 = u64::from(n);
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = n as u64;
+    }
+}
+
+type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHasher>>;
+
+/// The merged call tree as it is built: nodes in an arena, edges (parent, name) →
+/// child in one map, so a step down the tree is one hash lookup and no allocation.
 struct Tree {
-    value: u64,
-    children: HashMap<u32, Tree>,
+    name: Vec<u32>,
+    value: Vec<u64>,
+    edges: IdMap<u64, u32>,
+}
+
+impl Tree {
+    fn new(root_name: u32) -> Self {
+        Self {
+            name: vec![root_name],
+            value: vec![0],
+            edges: IdMap::default(),
+        }
+    }
+
+    /// The child of `parent` named `name`; None when it is new and the tree is full.
+    fn child(&mut self, parent: u32, name: u32) -> Option<u32> {
+        let next = self.name.len() as u32;
+        let key = u64::from(parent) << 32 | u64::from(name);
+        if self.name.len() >= MAX_NODES {
+            return self.edges.get(&key).copied();
+        }
+        let id = *self.edges.entry(key).or_insert(next);
+        if id == next {
+            self.name.push(name);
+            self.value.push(0);
+        }
+        Some(id)
+    }
 }
 
 struct Names {
+    /// By the name's allocation: frames share their names' `Arc`s (the symbolizer's
+    /// frame cache), so most lookups hash a pointer, not a string. The `Arc` is kept so
+    /// that its address cannot be reused for another name meanwhile.
+    by_ptr: IdMap<usize, (Arc<str>, u32)>,
     index: HashMap<Arc<str>, u32>,
     list: Vec<String>,
 }
 
 impl Names {
     fn id(&mut self, s: &Arc<str>) -> u32 {
-        if let Some(&i) = self.index.get(s) {
-            return i;
+        let ptr = Arc::as_ptr(s) as *const u8 as usize;
+        if let Some((_, i)) = self.by_ptr.get(&ptr) {
+            return *i;
         }
-        let i = self.list.len() as u32;
-        self.list.push(s.to_string());
-        self.index.insert(s.clone(), i);
+        let i = match self.index.get(s) {
+            Some(&i) => i,
+            None => {
+                let i = self.list.len() as u32;
+                self.list.push(s.to_string());
+                self.index.insert(s.clone(), i);
+                i
+            }
+        };
+        self.by_ptr.insert(ptr, (s.clone(), i));
         i
     }
 }
 
-fn freeze(t: Tree, name: u32, min: u64, other: u32, folded: &mut u64) -> Node {
-    let mut kids: Vec<(u32, Tree)> = t.children.into_iter().collect();
-    kids.sort_by(|a, b| b.1.value.cmp(&a.1.value).then(a.0.cmp(&b.0)));
-    let mut out = Vec::new();
-    let mut rest = 0;
-    for (n, k) in kids {
-        if k.value < min {
-            rest += k.value;
-            *folded += 1;
+/// Renumbers the names of the kept nodes densely; the others are not sent.
+fn remap(n: &mut Node, map: &mut IdMap<u32, u32>, kept: &mut Vec<String>, names: &[String]) {
+    let next = kept.len() as u32;
+    n.0 = *map.entry(n.0).or_insert_with(|| {
+        kept.push(names[n.0 as usize].clone());
+        next
+    });
+    for c in &mut n.2 {
+        remap(c, map, kept, names);
+    }
+}
+
+/// The tree to send: children busiest first; children under `min` samples fold into
+/// one `[…]` child of their parent (counted in `folded`).
+fn freeze(t: &Tree, min: u64, other: u32, folded: &mut u64) -> Node {
+    let mut kids: Vec<Vec<u32>> = vec![Vec::new(); t.name.len()];
+    let mut small: Vec<u64> = vec![0; t.name.len()];
+    for (&edge, &child) in &t.edges {
+        let parent = (edge >> 32) as usize;
+        let v = t.value[child as usize];
+        if v >= min {
+            kids[parent].push(child);
         } else {
-            out.push(freeze(k, n, min, other, folded));
+            small[parent] += v;
+            *folded += 1;
         }
     }
-    if rest > 0 {
-        out.push(Node(other, rest, Vec::new()));
+    fn node(t: &Tree, kids: &[Vec<u32>], small: &[u64], i: u32, other: u32) -> Node {
+        let mut ks = kids[i as usize].clone();
+        ks.sort_by(|a, b| {
+            t.value[*b as usize]
+                .cmp(&t.value[*a as usize])
+                .then(t.name[*a as usize].cmp(&t.name[*b as usize]))
+        });
+        let mut out: Vec<Node> = ks.iter().map(|&k| node(t, kids, small, k, other)).collect();
+        if small[i as usize] > 0 {
+            out.push(Node(other, small[i as usize], Vec::new()));
+        }
+        Node(t.name[i as usize], t.value[i as usize], out)
     }
-    Node(name, t.value, out)
+    node(t, &kids, &small, 0, other)
 }
 
 /// The view of `rounds` (the window, oldest first) for `q`; `shortened`: rounds of the
 /// window were dropped for the stack bound.
 pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shortened: bool) -> View {
     let mut names = Names {
+        by_ptr: IdMap::default(),
         index: HashMap::new(),
         list: Vec::new(),
     };
     let root_name = names.id(&Arc::from("all"));
     let other = names.id(&Arc::from("[…]"));
-    let mut tree = Tree::default();
-    let mut flat: HashMap<u32, u64> = HashMap::new();
-    let mut cum: HashMap<u32, u64> = HashMap::new();
+    let mut tree = Tree::new(root_name);
+    let mut flat: IdMap<u32, u64> = IdMap::default();
+    let mut cum: IdMap<u32, u64> = IdMap::default();
+    // The last stack (by number) each name was counted in, for cumulative counts.
+    let mut counted_in: Vec<u64> = Vec::new();
     let mut choices: HashMap<&'static str, HashMap<String, u64>> = HashMap::new();
     let mut procs: HashMap<(String, String), Process> = HashMap::new();
     let mut series: HashMap<String, Summing> = HashMap::new();
     let mut total = 0u64;
     let mut stacks = 0usize;
+    let mut cut_short = 0u64;
     let mut node = String::new();
     let mut names_buf = Vec::new();
     let mut ids: Vec<u32> = Vec::new();
-    let mut seen: Vec<u32> = Vec::new();
     let period_ns = rounds
         .first()
         .map_or(0, |r| 1_000_000_000 / u64::from(r.frequency_hz.max(1)));
+    // Label work is per distinct label set (processes share one `Arc`), not per stack:
+    // samples of each set in the whole window, and per round for the kept ones.
+    let mut all_sets: IdMap<usize, (Arc<crate::profile::LabelSet>, u64)> = IdMap::default();
+    let mut kept_sets: IdMap<usize, (bool, BTreeMap<u64, u64>)> = IdMap::default();
+    let mut kept_labels: IdMap<usize, Arc<crate::profile::LabelSet>> = IdMap::default();
     for r in rounds {
         for s in &r.stacks {
-            if node.is_empty() {
-                node = label(s, "node").unwrap_or("").to_string();
-            }
-            for k in FILTERS {
-                if let Some(v) = label(s, k) {
-                    *choices
-                        .entry(k)
-                        .or_default()
-                        .entry(v.to_string())
-                        .or_insert(0) += s.count;
-                }
-            }
-            let keep = q
-                .filters
-                .iter()
-                .all(|(k, v)| label(s, k) == Some(v.as_str()));
-            if !keep {
+            let key = Arc::as_ptr(&s.labels) as *const u8 as usize;
+            all_sets
+                .entry(key)
+                .or_insert_with(|| (s.labels.clone(), 0))
+                .1 += s.count;
+            let (keep, per_round) = kept_sets.entry(key).or_insert_with(|| {
+                let keep = q
+                    .filters
+                    .iter()
+                    .all(|(k, v)| label(s, k) == Some(v.as_str()));
+                (keep, BTreeMap::new())
+            });
+            if !*keep {
                 continue;
             }
+            *per_round.entry(r.end_ns).or_insert(0) += s.count;
+            kept_labels.entry(key).or_insert_with(|| s.labels.clone());
             stacks += 1;
             total += s.count;
             path(s, &mut names_buf);
             ids.clear();
             ids.extend(names_buf.iter().map(|n| names.id(n)));
-            let mut node = &mut tree;
-            node.value += s.count;
+            let mut at = 0u32;
+            tree.value[0] += s.count;
             for &id in &ids {
-                node = node.children.entry(id).or_default();
-                node.value += s.count;
+                let Some(next) = tree.child(at, id) else {
+                    cut_short += 1;
+                    break;
+                };
+                at = next;
+                tree.value[at as usize] += s.count;
             }
             // The comm level is not a function.
             if let Some(&leaf) = ids.last().filter(|_| ids.len() > 1) {
                 *flat.entry(leaf).or_insert(0) += s.count;
             }
-            seen.clear();
+            let stamp = stacks as u64;
             for &id in ids.iter().skip(1) {
-                if !seen.contains(&id) {
-                    seen.push(id);
+                let i = id as usize;
+                if counted_in.len() <= i {
+                    counted_in.resize(i + 1, 0);
+                }
+                if counted_in[i] != stamp {
+                    counted_in[i] = stamp;
                     *cum.entry(id).or_insert(0) += s.count;
                 }
             }
-            let pid = label(s, "pid").unwrap_or("").to_string();
-            let comm = label(s, "comm").unwrap_or("?").to_string();
-            let p = procs
-                .entry((pid.clone(), comm.clone()))
-                .or_insert_with(|| Process {
-                    pid: pid.clone(),
-                    comm: comm.clone(),
-                    executable: label(s, "executable").unwrap_or("").to_string(),
-                    container_id: label(s, "container_id").unwrap_or("").to_string(),
-                    samples: 0,
-                });
-            p.samples += s.count;
-            let (key, filter) = if q.by_container {
-                match label(s, "container_id") {
-                    Some(c) => (
-                        c.chars().take(12).collect(),
-                        Some(("container_id".into(), c.into())),
-                    ),
-                    None => ("host".to_string(), None),
-                }
-            } else if pid.is_empty() {
-                (comm.clone(), Some(("comm".into(), comm.clone())))
-            } else {
-                (format!("{comm} ({pid})"), Some(("pid".into(), pid.clone())))
-            };
-            *series
-                .entry(key)
-                .or_insert_with(|| (filter, BTreeMap::new()))
-                .1
-                .entry(r.end_ns)
-                .or_insert(0) += s.count;
+        }
+    }
+    let get = |l: &crate::profile::LabelSet, k: &str| {
+        l.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+    };
+    for (labels, count) in all_sets.values() {
+        if node.is_empty() {
+            node = get(labels, "node").unwrap_or_default();
+        }
+        for k in FILTERS {
+            if let Some(v) = get(labels, k) {
+                *choices.entry(k).or_default().entry(v).or_insert(0) += count;
+            }
+        }
+    }
+    for (key, labels) in &kept_labels {
+        let Some((_, per_round)) = kept_sets.get(key) else {
+            continue;
+        };
+        let samples: u64 = per_round.values().sum();
+        let pid = get(labels, "pid").unwrap_or_default();
+        let comm = get(labels, "comm").unwrap_or_else(|| "?".into());
+        procs
+            .entry((pid.clone(), comm.clone()))
+            .or_insert_with(|| Process {
+                pid: pid.clone(),
+                comm: comm.clone(),
+                executable: get(labels, "executable").unwrap_or_default(),
+                container_id: get(labels, "container_id").unwrap_or_default(),
+                samples: 0,
+            })
+            .samples += samples;
+        let (key, filter) = if q.by_container {
+            match get(labels, "container_id") {
+                Some(c) => (
+                    c.chars().take(12).collect(),
+                    Some(("container_id".to_string(), c)),
+                ),
+                None => ("host".to_string(), None),
+            }
+        } else if pid.is_empty() {
+            (comm.clone(), Some(("comm".to_string(), comm.clone())))
+        } else {
+            (
+                format!("{comm} ({pid})"),
+                Some(("pid".to_string(), pid.clone())),
+            )
+        };
+        let entry = series
+            .entry(key)
+            .or_insert_with(|| (filter, BTreeMap::new()));
+        for (t, n) in per_round {
+            *entry.1.entry(*t).or_insert(0) += n;
         }
     }
     let mut folded = 0;
     let min = (total / PRUNE).max(1);
-    let tree = freeze(tree, root_name, min, other, &mut folded);
+    let mut tree = freeze(&tree, min, other, &mut folded);
+    let mut kept = Vec::new();
+    remap(&mut tree, &mut IdMap::default(), &mut kept, &names.list);
     let mut top: Vec<Function> = cum
         .iter()
         .map(|(&id, &c)| Function {
@@ -393,9 +536,10 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
         node,
         total,
         period_ns,
-        names: names.list,
+        names: kept,
         tree,
         folded_nodes: folded,
+        cut_short,
         top,
         series,
         processes,
