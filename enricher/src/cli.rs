@@ -81,6 +81,12 @@ pub struct Args {
     #[arg(long = "otlp-header", env = "FIRN_OTLP_HEADERS", value_delimiter = ',')]
     pub otlp_headers: Vec<String>,
 
+    /// Compression of OTLP requests on the wire: gzip (what the OpenTelemetry
+    /// Collector and other receivers accept) or none.
+    #[arg(long, env = "FIRN_OTLP_COMPRESSION", value_enum,
+          default_value_t = crate::upload::Compression::Gzip)]
+    pub otlp_compression: crate::upload::Compression,
+
     /// PEM CA certificate(s) to verify an https:// OTLP endpoint with, instead of the
     /// system's roots.
     #[arg(long, env = "FIRN_OTLP_CA_FILE")]

@@ -47,6 +47,7 @@ pub struct FileConfig {
     pub otlp_endpoint: Option<String>,
     pub otlp_headers: Option<Vec<String>>,
     pub otlp_ca_file: Option<PathBuf>,
+    pub otlp_compression: Option<crate::upload::Compression>,
     pub parca_address: Option<String>,
     pub parca_insecure: Option<bool>,
     pub parca_bearer_token_file: Option<PathBuf>,
@@ -220,6 +221,7 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take_opt!(parca_ca_file);
     take_opt!(upload_spool_dir);
     take!(otlp_headers);
+    take!(otlp_compression);
     take!(parca_insecure);
     take!(debuginfo_upload);
     take!(debuginfo_upload_concurrency);

@@ -234,6 +234,13 @@ impl Debuginfo {
         R: prost14::Message + Default + Send + 'static,
     {
         let body = Arc::new(req.encode_to_vec());
-        grpc::unary::<R>(self.channel.clone(), path, body, &self.token.headers()).await
+        grpc::unary::<R>(
+            self.channel.clone(),
+            path,
+            body,
+            &self.token.headers(),
+            false,
+        )
+        .await
     }
 }

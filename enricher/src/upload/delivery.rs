@@ -121,15 +121,16 @@ impl Spool {
         self.dir.join(format!("{id}{SUFFIX}"))
     }
 
-    /// Writes a request; the oldest spooled requests make room (returned, to be counted
-    /// as dropped).
-    fn push(&mut self, r: &Request) -> Result<usize, SpoolError> {
+    /// Writes a request; the oldest spooled requests make room. Returns how many were
+    /// removed for room (to be counted as dropped, whether the write then succeeded).
+    fn push(&mut self, r: &Request) -> (usize, Result<(), SpoolError>) {
         let size = r.body.len() as u64;
         if size > self.max_bytes {
-            return Err(SpoolError::TooLarge {
+            let e = SpoolError::TooLarge {
                 size,
                 max: self.max_bytes,
-            });
+            };
+            return (0, Err(e));
         }
         let mut evicted = 0;
         while self.bytes + size > self.max_bytes {
@@ -146,11 +147,11 @@ impl Spool {
             .and_then(|()| std::fs::rename(&tmp, &fin).map_err(io("renaming", &fin)));
         if let Err(e) = written {
             let _ = std::fs::remove_file(&tmp);
-            return Err(e);
+            return (evicted, Err(e));
         }
         self.entries.push_back((r.id.clone(), size));
         self.bytes += size;
-        Ok(evicted)
+        (evicted, Ok(()))
     }
 
     fn read(&self, id: &str) -> Result<Vec<u8>, SpoolError> {
@@ -289,18 +290,17 @@ impl Delivery {
             tracing::warn!(sink = self.name, id = %r.id, "memory queue full and no spool: oldest request dropped");
             return;
         };
-        match spool.push(r) {
-            Ok(evicted) => {
-                SinkMetrics::inc(&m.spooled);
-                if evicted > 0 {
-                    SinkMetrics::add(&m.dropped, evicted as u64);
-                    tracing::warn!(
-                        sink = self.name,
-                        requests = evicted,
-                        "spool full (--upload-spool-size): oldest requests dropped"
-                    );
-                }
-            }
+        let (evicted, written) = spool.push(r);
+        if evicted > 0 {
+            SinkMetrics::add(&m.dropped, evicted as u64);
+            tracing::warn!(
+                sink = self.name,
+                requests = evicted,
+                "spool full (--upload-spool-size): oldest requests dropped"
+            );
+        }
+        match written {
+            Ok(()) => SinkMetrics::inc(&m.spooled),
             Err(e) => {
                 SinkMetrics::inc(&m.spool_errors);
                 SinkMetrics::inc(&m.dropped);

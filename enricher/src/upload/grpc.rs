@@ -168,7 +168,8 @@ impl<R: prost14::Message + Default + Send + 'static> Codec for RawCodec<R> {
     }
 }
 
-/// One unary call of `path` with an encoded request and the given metadata.
+/// One unary call of `path` with an encoded request and the given metadata; `gzip`
+/// compresses the request on the wire.
 pub async fn unary<R: prost14::Message + Default + Send + 'static>(
     channel: Channel,
     path: &'static str,
@@ -177,8 +178,12 @@ pub async fn unary<R: prost14::Message + Default + Send + 'static>(
         tonic::metadata::AsciiMetadataKey,
         tonic::metadata::AsciiMetadataValue,
     )],
+    gzip: bool,
 ) -> Result<R, Status> {
     let mut grpc = tonic::client::Grpc::new(channel);
+    if gzip {
+        grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    }
     grpc.ready()
         .await
         .map_err(|e| Status::unavailable(format!("connecting: {e}")))?;

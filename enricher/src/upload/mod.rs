@@ -24,6 +24,16 @@ use crate::profile::Frame;
 use crate::symbolize::Symbolizer;
 use delivery::{Delivery, Limits, Request};
 
+/// How OTLP requests travel (`--otlp-compression`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Compression {
+    /// gRPC gzip: a round's request shrinks several times (its dictionary is text).
+    #[default]
+    Gzip,
+    None,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum UploadError {
     #[error("--otlp-endpoint: {0}")]
@@ -89,6 +99,7 @@ impl Uploads {
                 channel,
                 headers: Rc::new(headers),
                 metrics: m,
+                gzip: args.otlp_compression == Compression::Gzip,
             };
             tokio::task::spawn_local(d.clone().run(Rc::new(t)));
             tracing::info!(endpoint = %url, spool = %spool_root.join("otlp").display(), "sending profiles to OTLP");

@@ -374,6 +374,8 @@ pub struct OtlpTransport {
     pub channel: Channel,
     pub headers: Rc<Vec<(AsciiMetadataKey, AsciiMetadataValue)>>,
     pub metrics: Arc<SinkMetrics>,
+    /// Requests go gzip-compressed (`--otlp-compression`).
+    pub gzip: bool,
 }
 
 impl Transport for OtlpTransport {
@@ -381,10 +383,12 @@ impl Transport for OtlpTransport {
         let channel = self.channel.clone();
         let headers = self.headers.clone();
         let metrics = self.metrics.clone();
+        let gzip = self.gzip;
         Box::pin(async move {
-            let r: ExportProfilesServiceResponse = grpc::unary(channel, EXPORT, body, &headers)
-                .await
-                .map_err(|s| grpc::classify(&s))?;
+            let r: ExportProfilesServiceResponse =
+                grpc::unary(channel, EXPORT, body, &headers, gzip)
+                    .await
+                    .map_err(|s| grpc::classify(&s))?;
             if let Some(p) = r.partial_success {
                 if p.rejected_profiles > 0 || !p.error_message.is_empty() {
                     SinkMetrics::add(

@@ -145,7 +145,8 @@ impl Transport for ParcaTransport {
         let channel = self.channel.clone();
         let headers = self.token.headers();
         Box::pin(async move {
-            grpc::unary::<WriteRawResponse>(channel, WRITE_RAW, body, &headers)
+            // The profiles inside are gzip already.
+            grpc::unary::<WriteRawResponse>(channel, WRITE_RAW, body, &headers, false)
                 .await
                 .map(|_| ())
                 .map_err(|s| grpc::classify(&s))
