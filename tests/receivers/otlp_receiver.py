@@ -167,13 +167,20 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--tls-cert", help="PEM certificate: serve TLS (with --tls-key)")
+    ap.add_argument("--tls-key")
     ap.add_argument("--delay-calls", type=int, default=0, help="delay only the first N calls (0: all)")
     ap.add_argument("--fail", help="CODE:N[,CODE:N...], e.g. UNAVAILABLE:2,INVALID_ARGUMENT:1")
     args = ap.parse_args()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
                          options=[("grpc.max_receive_message_length", 64 << 20)])
     svc_grpc.add_ProfilesServiceServicer_to_server(Receiver(args), server)
-    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    if args.tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(open(args.tls_key, "rb").read(), open(args.tls_cert, "rb").read())])
+        server.add_secure_port(f"127.0.0.1:{args.port}", creds)
+    else:
+        server.add_insecure_port(f"127.0.0.1:{args.port}")
     server.start()
     print(f"otlp receiver listening on {args.port}", flush=True)
     server.wait_for_termination()

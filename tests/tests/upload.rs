@@ -482,3 +482,124 @@ fn a_full_spool_disk_is_counted_and_survived() {
         .expect("enricher stops");
     assert!(t0.elapsed() < Duration::from_secs(15));
 }
+
+/// OTLP over TLS: a certificate the test makes, trusted through --otlp-ca-file. The same
+/// endpoint with the system's roots is refused (retried and counted, nothing sent).
+#[test]
+fn otlp_over_tls_trusts_the_given_ca_only() {
+    if !can_run_bpf() {
+        return;
+    }
+    let rx = TempDir::new("upl-tls-rx");
+    let d = rx.path();
+    let (ca, cert, key) = (d.join("ca.pem"), d.join("cert.pem"), d.join("key.pem"));
+    let ext = readable_file(
+        d,
+        "leaf.ext",
+        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    );
+    // A CA, and a server certificate it signs (webpki refuses a self-signed leaf).
+    let p = |s: &Path| s.display().to_string();
+    for args in [
+        vec![
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=firn test CA",
+            "-keyout",
+            &p(&d.join("ca.key")),
+            "-out",
+            &p(&ca),
+        ],
+        vec![
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            &p(&key),
+            "-out",
+            &p(&d.join("leaf.csr")),
+        ],
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            &p(&d.join("leaf.csr")),
+            "-CA",
+            &p(&ca),
+            "-CAkey",
+            &p(&d.join("ca.key")),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &p(&ext),
+            "-out",
+            &p(&cert),
+        ],
+    ] {
+        let out = Command::new("openssl")
+            .args(&args)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let op = free_port();
+    let otlp_out = rx.path().join("otlp.jsonl");
+    let _otlp = start_otlp_receiver(
+        op,
+        &otlp_out,
+        &[
+            "--tls-cert",
+            &cert.display().to_string(),
+            "--tls-key",
+            &key.display().to_string(),
+        ],
+    );
+    let url = format!("https://localhost:{op}");
+    let pem = std::fs::read_to_string(&ca).unwrap();
+    let mut f = Firn::start_with("upl-tls", FAST, |dir| {
+        let ca = readable_file(dir, "ca.pem", &pem);
+        let mut a = strs(&["--otlp-endpoint", &url, "--otlp-ca-file"]);
+        a.push(ca.display().to_string());
+        a
+    });
+    let mut w = start_workload(&workload("busy"), &["3"]);
+    let pid = w.pid();
+    w.wait_exit(Duration::from_secs(20)).expect("busy ends");
+    assert!(
+        wait_until(Duration::from_secs(20), || !otlp_profiles(
+            &otlp_out, pid, "samples"
+        )
+        .is_empty()),
+        "nothing arrived over TLS: {:#?}",
+        f.enricher.as_ref().unwrap().lines()
+    );
+    // The system's roots do not know this certificate: sends fail and are retried.
+    let e = f.enricher.as_mut().unwrap();
+    e.signal(nix::sys::signal::Signal::SIGTERM);
+    e.wait_exit(Duration::from_secs(20))
+        .expect("enricher stops");
+    f.start_enricher(&["--otlp-endpoint", &url, "--upload-backoff-max", "2s"]);
+    assert!(
+        wait_until(Duration::from_secs(20), || upload_metric(
+            &f,
+            "retries_total",
+            "otlp"
+        ) >= 1.0),
+        "an untrusted certificate was accepted"
+    );
+    assert_eq!(upload_metric(&f, "requests_sent_total", "otlp"), 0.0);
+}
