@@ -91,6 +91,16 @@ pub struct Args {
     #[arg(long)]
     pub print_seccomp: bool,
 
+    /// Print the OCI seccomp profile for the sampler's container (setup and steady
+    /// state, by name; JSON for podman, CRI-O, containerd and the kubelet) and exit.
+    #[arg(long)]
+    pub print_seccomp_profile: bool,
+
+    /// Write that profile to PATH (creating its directory) and exit: the Kubernetes
+    /// init step that puts it where the kubelet reads Localhost profiles.
+    #[arg(long, value_name = "PATH")]
+    pub install_seccomp_profile: Option<PathBuf>,
+
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
     pub log: String,

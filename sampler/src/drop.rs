@@ -327,6 +327,154 @@ pub const ALLOWED: &[Allowed] = allow_list!(SYS_epoll_wait);
 #[cfg(target_arch = "aarch64")]
 pub const ALLOWED: &[Allowed] = allow_list!(SYS_epoll_pwait);
 
+/// A syscall the sampler makes before it confines itself: the runtime's exec, the
+/// dynamic loader, setup, the drop. Only a container runtime's profile needs these
+/// ([`container_profile`]); the sampler's own filter never allows them.
+#[derive(Debug, Clone, Copy)]
+pub struct Setup {
+    pub name: &'static str,
+    pub nr: i64,
+    pub why: &'static str,
+}
+
+/// `setup!(SYS_bpf, "why")`: the entry for `libc::SYS_bpf` (which must exist here).
+macro_rules! setup {
+    ($sys:ident, $why:expr) => {
+        Setup {
+            name: stringify!($sys),
+            nr: libc::$sys,
+            why: $why,
+        }
+    };
+}
+
+impl Setup {
+    /// The syscall's name without the `SYS_` prefix.
+    pub fn syscall(&self) -> &'static str {
+        self.name.trim_start_matches("SYS_")
+    }
+}
+
+const LOADER: &str = "the runtime's exec and the dynamic loader mapping libc, libelf, zlib";
+const START: &str = "glibc and Rust's std starting the process (TLS, signal stack, stdio checks)";
+const LIBBPF: &str = "loading the BPF program (libbpf: maps, BTF, program, links)";
+const CAPS: &str = "reading and dropping capabilities, securebits, no_new_privs";
+const SOCKET: &str = "the listening Unix socket, born with its mode and group";
+
+/// Every syscall of the sampler's life before its own filter is installed that
+/// [`ALLOWED`] does not already hold by name (setup's other `bpf` commands, `ioctl`s
+/// and executable mappings fall under those names) (`setup_syscalls_are_listed` in
+/// tests/tests/hardening.rs checks an strace of a real start against it).
+macro_rules! setup_list {
+    ($($arch_only:expr),*) => {
+        &[
+            setup!(SYS_execve, LOADER),
+            setup!(SYS_pread64, LOADER),
+            setup!(SYS_mprotect, LOADER),
+            setup!(SYS_faccessat2, "libbpf probing optional files"),
+            setup!(SYS_set_tid_address, START),
+            setup!(SYS_set_robust_list, START),
+            setup!(SYS_rseq, START),
+            setup!(SYS_sched_getaffinity, START),
+            setup!(SYS_rt_sigaction, "installing the SIGTERM/SIGINT handlers"),
+            setup!(
+                SYS_prlimit64,
+                "raising RLIMIT_NOFILE's soft limit for binary handles"
+            ),
+            setup!(SYS_lseek, "reading /proc/kallsyms and the BPF object"),
+            setup!(SYS_getdents64, "listing /proc/self/task and the online CPUs"),
+            setup!(SYS_uname, "the kernel release check"),
+            setup!(SYS_getuid, "naming the user in errors"),
+            setup!(SYS_geteuid, "naming the user in errors"),
+            setup!(SYS_getegid, "the socket's group"),
+            setup!(SYS_gettid, START),
+            setup!(SYS_getpid, "LISTEN_PID (systemd socket activation)"),
+            setup!(SYS_fcntl, "descriptor flags"),
+            setup!(SYS_dup3, LIBBPF),
+            setup!(SYS_memfd_create, LIBBPF),
+            setup!(
+                SYS_perf_event_open,
+                "a cpu-clock perf event on every online CPU"
+            ),
+            setup!(SYS_socket, SOCKET),
+            setup!(SYS_bind, SOCKET),
+            setup!(SYS_listen, SOCKET),
+            setup!(SYS_umask, SOCKET),
+            setup!(SYS_fchownat, SOCKET),
+            setup!(SYS_unlinkat, "replacing a stale socket"),
+            setup!(
+                SYS_connect,
+                "glibc asking nscd for --user, --allow-uid and --socket-group names"
+            ),
+            setup!(SYS_epoll_create1, "the event loop"),
+            setup!(SYS_eventfd2, "the event loop"),
+            setup!(SYS_socketpair, "tokio's signal pipe"),
+            setup!(SYS_madvise, "dropping setup-only pages from RSS"),
+            setup!(SYS_capget, CAPS),
+            setup!(SYS_capset, CAPS),
+            setup!(SYS_prctl, CAPS),
+            setup!(SYS_setgroups, "--user: no supplementary groups"),
+            setup!(SYS_setresgid, "--user; the socket's group"),
+            setup!(SYS_setresuid, "--user"),
+            setup!(SYS_seccomp, "installing the sampler's own filter"),
+            setup!(
+                SYS_fstatfs,
+                "the container runtime (runc), between loading a container profile and exec: checking that /proc/self/fd is procfs"
+            ),
+            $($arch_only),*
+        ]
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+pub const SETUP: &[Setup] = setup_list!(
+    setup!(SYS_access, LOADER),
+    setup!(SYS_arch_prctl, LOADER),
+    setup!(SYS_poll, START)
+);
+#[cfg(target_arch = "aarch64")]
+pub const SETUP: &[Setup] = setup_list!(setup!(SYS_ppoll, START));
+
+/// An OCI seccomp profile (the JSON of Docker, podman, CRI-O, containerd and the
+/// kubelet's `Localhost` profiles) for the sampler's container: [`SETUP`] and
+/// [`ALLOWED`] by name, anything else refused. It cannot narrow by argument, since setup
+/// needs the general forms (any `bpf` command, executable mappings for the loader); the
+/// sampler's own filter narrows to [`ALLOWED`] with its checks as soon as setup ends.
+/// Refusals return ENOSYS, which glibc and Rust's std take as "not implemented here"
+/// and fall back from (e.g. a newer glibc's first `clone3`).
+pub fn container_profile() -> String {
+    let arch = match std::env::consts::ARCH {
+        "aarch64" => "SCMP_ARCH_AARCH64",
+        _ => "SCMP_ARCH_X86_64",
+    };
+    let names = |list: Vec<&str>| {
+        let mut l = list;
+        l.sort_unstable();
+        l.dedup();
+        l.iter()
+            .map(|n| format!("\"{n}\""))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let steady = names(ALLOWED.iter().map(Allowed::syscall).collect());
+    let setup = names(
+        SETUP
+            .iter()
+            .map(Setup::syscall)
+            .filter(|n| !ALLOWED.iter().any(|a| a.syscall() == *n))
+            .collect(),
+    );
+    format!(
+        "{{\n  \"defaultAction\": \"SCMP_ACT_ERRNO\",\n  \"defaultErrnoRet\": {enosys},\n  \
+         \"architectures\": [\"{arch}\"],\n  \"syscalls\": [\n    {{\n      \
+         \"comment\": \"firn-sampler's steady state; its own filter narrows these by argument after setup (firn-sampler --print-seccomp)\",\n      \
+         \"names\": [{steady}],\n      \"action\": \"SCMP_ACT_ALLOW\"\n    }},\n    {{\n      \
+         \"comment\": \"firn-sampler's start and setup only (sampler/src/drop.rs, SETUP); refused by its own filter afterwards\",\n      \
+         \"names\": [{setup}],\n      \"action\": \"SCMP_ACT_ALLOW\"\n    }}\n  ]\n}}\n",
+        enosys = libc::ENOSYS,
+    )
+}
+
 /// The allow-list as the README's table shows it (`firn-sampler --print-seccomp`).
 pub fn table() -> String {
     let mut out = String::from("| syscall | restriction | why |\n|---|---|---|\n");
@@ -406,6 +554,29 @@ mod tests {
             );
         }
         build_filter().expect("the filter builds");
+    }
+
+    /// packaging/seccomp/firn-sampler.json is what [`container_profile`] generates.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn container_profile_is_generated() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../packaging/seccomp/firn-sampler.json"
+        );
+        let committed = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            committed == container_profile(),
+            "{path} differs from drop.rs; replace it with the output of \
+             `firn-sampler --print-seccomp-profile`"
+        );
+        for s in SETUP {
+            assert!(
+                !ALLOWED.iter().any(|a| a.nr == s.nr),
+                "{} is in SETUP and ALLOWED",
+                s.syscall()
+            );
+        }
     }
 
     /// The README's table is this list, word for word.

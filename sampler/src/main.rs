@@ -24,6 +24,28 @@ fn main() -> ExitCode {
         print!("{}", drop::table());
         return ExitCode::SUCCESS;
     }
+    if args.print_seccomp_profile {
+        print!("{}", drop::container_profile());
+        return ExitCode::SUCCESS;
+    }
+    if let Some(path) = &args.install_seccomp_profile {
+        return match install_profile(path) {
+            Ok(()) => {
+                println!(
+                    "firn-sampler: seccomp profile written to {}",
+                    path.display()
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!(
+                    "firn-sampler: writing the seccomp profile to {}: {e}",
+                    path.display()
+                );
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Err(e) = firn_logs::init(&args.log) {
         eprintln!("firn-sampler: {e}");
         return ExitCode::from(2);
@@ -35,6 +57,19 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Writes the container profile beside `path` and renames it into place, so that a
+/// runtime never reads half a file.
+fn install_profile(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, drop::container_profile())?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    std::fs::rename(&tmp, path)
 }
 
 /// A random session id below 2^47, so that no integer on the wire looks like a kernel

@@ -289,20 +289,19 @@ fn allowed_syscalls_are_used() {
     let mut used = BTreeSet::new();
     let mut refused = Vec::new();
     for l in &lines[start + 1..] {
-        let rest = l.split_once(' ').map_or("", |(_, r)| r).trim_start();
-        let name = match rest.strip_prefix("<... ") {
-            Some(r) => r.split_whitespace().next().unwrap_or(""),
-            None => rest.split('(').next().unwrap_or(""),
-        };
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            continue;
-        }
+        let Some(name) = syscall_of(l) else { continue };
         used.insert(name.to_string());
         if l.contains("= -1 EPERM") {
             refused.push(l.to_string());
         }
     }
     assert!(refused.is_empty(), "refused by the filter: {refused:#?}");
+    let setup: BTreeSet<String> = lines[..=start]
+        .iter()
+        .filter_map(|l| syscall_of(l))
+        .map(str::to_string)
+        .collect();
+    setup_is_covered(&setup, &used);
     let allowed: BTreeSet<String> = firn_sampler::drop::ALLOWED
         .iter()
         .map(|a| a.syscall().to_string())
@@ -326,6 +325,96 @@ fn allowed_syscalls_are_used() {
         allowed.len(),
         used.len()
     );
+}
+
+/// The syscall an strace line shows (a call, or the resumption of one).
+fn syscall_of(line: &str) -> Option<&str> {
+    let rest = line.split_once(' ').map_or("", |(_, r)| r).trim_start();
+    let name = match rest.strip_prefix("<... ") {
+        Some(r) => r.split_whitespace().next().unwrap_or(""),
+        None => rest.split('(').next().unwrap_or(""),
+    };
+    (!name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .then_some(name)
+}
+
+/// What a real start and run used, checked against the two filters a deployment puts
+/// around the sampler before its own: the container profile (generated from drop.rs)
+/// must hold every setup syscall, and the systemd unit's SystemCallFilter, expanded by
+/// systemd-analyze (systemd's own group tables), every syscall of its whole life.
+fn setup_is_covered(setup: &BTreeSet<String>, steady: &BTreeSet<String>) {
+    let listed: BTreeSet<&str> = firn_sampler::drop::SETUP
+        .iter()
+        .map(|s| s.syscall())
+        .chain(firn_sampler::drop::ALLOWED.iter().map(|a| a.syscall()))
+        .collect();
+    let unlisted: Vec<_> = setup
+        .iter()
+        .filter(|n| !listed.contains(n.as_str()))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "setup used syscalls that drop.rs's SETUP does not list (the container profile \
+         would refuse them): {unlisted:?}"
+    );
+    let unit = std::fs::read_to_string(repo_root().join("systemd/firn-sampler.service")).unwrap();
+    let (mut allow, mut deny) = (BTreeSet::new(), BTreeSet::new());
+    for line in unit.lines() {
+        let Some(v) = line.strip_prefix("SystemCallFilter=") else {
+            continue;
+        };
+        let (set, v) = match v.strip_prefix('~') {
+            Some(v) => (&mut deny, v),
+            None => (&mut allow, v),
+        };
+        for item in v.split_whitespace() {
+            set.extend(expand_filter(item));
+        }
+    }
+    assert!(
+        !allow.is_empty(),
+        "the sampler's unit has no SystemCallFilter allow-list"
+    );
+    let outside: Vec<_> = setup
+        .iter()
+        .chain(steady)
+        .filter(|n| !allow.contains(*n) || deny.contains(*n))
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "systemd/firn-sampler.service's SystemCallFilter refuses syscalls the sampler \
+         makes: {outside:?}"
+    );
+}
+
+/// A SystemCallFilter item as syscall names: a group expanded (recursively) by
+/// `systemd-analyze syscall-filter`, or a name.
+fn expand_filter(item: &str) -> BTreeSet<String> {
+    if !item.starts_with('@') {
+        return BTreeSet::from([item.to_string()]);
+    }
+    let out = Command::new("systemd-analyze")
+        .args(["syscall-filter", item])
+        .output()
+        .expect("systemd-analyze (package systemd)");
+    assert!(
+        out.status.success(),
+        "systemd-analyze syscall-filter {item}"
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut names = BTreeSet::new();
+    for w in text.lines().skip(1) {
+        let w = w.trim();
+        if w.is_empty() || w.starts_with('#') {
+            continue;
+        }
+        if w.starts_with('@') {
+            names.extend(expand_filter(w));
+        } else {
+            names.insert(w.to_string());
+        }
+    }
+    names
 }
 
 /// With `--user`, the sampler runs as that uid after setup, keeps only CAP_SYS_PTRACE,

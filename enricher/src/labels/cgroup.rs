@@ -91,13 +91,22 @@ pub fn parse_path(path: &str) -> CgroupFacts {
                     }
                 }
             }
-        } else if is_container_id(seg) {
-            // cgroupfs driver: /docker/<id>, /kubepods/<qos>/pod<uid>/<id>, /libpod_parent/libpod-<id>.
-            f.container_id = Some(seg.to_string());
-            f.runtime = match segments.get(i.wrapping_sub(1)) {
-                Some(&"docker") => Some("docker"),
-                _ => None,
-            };
+        } else {
+            // cgroupfs driver: /docker/<id>, /kubepods/<qos>/pod<uid>/<id>,
+            // /libpod_parent/libpod-<id> (podman), /machine.slice/libpod-<id>.
+            let (id, prefixed) = SCOPES
+                .iter()
+                .find_map(|(prefix, runtime)| {
+                    seg.strip_prefix(prefix).map(|id| (id, Some(*runtime)))
+                })
+                .unwrap_or((seg, None));
+            if is_container_id(id) {
+                f.container_id = Some(id.to_string());
+                f.runtime = prefixed.or(match segments.get(i.wrapping_sub(1)) {
+                    Some(&"docker") => Some("docker"),
+                    _ => None,
+                });
+            }
         }
     }
     f.systemd_unit = systemd_unit(&segments, f.pod_uid.is_some());
@@ -181,6 +190,8 @@ mod tests {
         let cases = vec![
             // Docker, cgroupfs driver, v1 (hybrid host).
             case("12:cpu,cpuacct:/docker/{ID}\n1:name=systemd:/docker/{ID}\n0::/", Some("docker"), None, None),
+            // podman, cgroupfs driver, hybrid host (what this machine's podman makes).
+            case("9:name=systemd:/libpod_parent/libpod-{ID}\n4:memory:/libpod_parent/libpod-{ID}\n0::/libpod_parent/libpod-{ID}", Some("podman"), None, None),
             // Docker, systemd driver, v2.
             case("0::/system.slice/docker-{ID}.scope", Some("docker"), Some("docker-{ID}.scope"), None)
                 .with_unit_id(),
