@@ -199,17 +199,12 @@ fn bench(c: &mut Criterion) {
             frequency_hz: 19,
             stacks: stack_samples.clone(),
         };
+        let groups =
+            firn_enricher::encode::groups(&round, firn_enricher::encode::ProfileBy::Process);
         g.bench_function(BenchmarkId::new("upload_otlp_encode", n), |b| {
-            b.iter(|| {
-                firn_enricher::upload::otlp::encode(
-                    &round,
-                    firn_enricher::encode::ProfileBy::Process,
-                )
-                .map_or(0, |v| v.len())
-            })
+            b.iter(|| firn_enricher::upload::otlp::encode(&round, &groups).map_or(0, |v| v.len()))
         });
-        let encoded =
-            firn_enricher::encode::per_label_set(&round, firn_enricher::encode::ProfileBy::Process);
+        let encoded = firn_enricher::encode::per_label_set(&round, &groups);
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
             b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
         });
@@ -244,9 +239,7 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| json(&rounds))
             });
         }
-        let otlp =
-            firn_enricher::upload::otlp::encode(&round, firn_enricher::encode::ProfileBy::Process)
-                .map_or(0, |v| v.len());
+        let otlp = firn_enricher::upload::otlp::encode(&round, &groups).map_or(0, |v| v.len());
         let pprof = encoded.iter().map(|e| e.gz.len()).sum::<usize>();
         println!("round of {n} stacks: OTLP request {otlp} bytes, gzip pprof {pprof} bytes");
         g.finish();

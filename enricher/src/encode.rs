@@ -30,8 +30,11 @@ pub enum ProfileBy {
 const PROCESS_LABELS: &[&str] = &["pid", "comm", "executable", "thread_id", "thread_name"];
 
 /// A round's stacks grouped by what one profile covers: each group's label set and the
-/// indices of its stacks in `round.stacks`. Every sink groups alike.
-pub fn groups(round: &Round, by: ProfileBy) -> Vec<(Arc<LabelSet>, Vec<usize>)> {
+/// indices of its stacks in `round.stacks`.
+pub type Groups = Vec<(Arc<LabelSet>, Vec<usize>)>;
+
+/// Groups a round once; every sink encodes from the same groups.
+pub fn groups(round: &Round, by: ProfileBy) -> Groups {
     let mut groups: HashMap<(Arc<LabelSet>, u64), Vec<usize>> = HashMap::new();
     let mut reduced: HashMap<Arc<LabelSet>, Arc<LabelSet>> = HashMap::new();
     for (i, s) in round.stacks.iter().enumerate() {
@@ -59,17 +62,16 @@ pub fn groups(round: &Round, by: ProfileBy) -> Vec<(Arc<LabelSet>, Vec<usize>)> 
     groups.into_iter().map(|((l, _), idx)| (l, idx)).collect()
 }
 
-pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
-    let groups = groups(round, by);
+pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
     let mut out = Vec::with_capacity(groups.len());
     for (labels, idx) in groups {
         let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));
         }
-        for i in idx {
+        for &i in idx {
             let s = &round.stacks[i];
-            if Arc::ptr_eq(&s.labels, &labels) {
+            if Arc::ptr_eq(&s.labels, labels) {
                 b.add(s);
             } else {
                 // Merged group: the samples carry the group's labels.
@@ -83,7 +85,7 @@ pub fn per_label_set(round: &Round, by: ProfileBy) -> Vec<Encoded> {
         let samples = profile::sample_count(&p);
         match profile::encode_gz(&p) {
             Ok(gz) => out.push(Encoded {
-                labels,
+                labels: labels.clone(),
                 samples,
                 gz: Arc::new(gz),
             }),

@@ -253,8 +253,9 @@ fn write(round: Round, by: firn_enricher::encode::ProfileBy, out: Out<'_>, metri
         uploads,
         symbolizer,
     } = out;
-    let encoded = firn_enricher::encode::per_label_set(&round, by);
-    uploads.round(&round, &encoded, symbolizer);
+    let groups = firn_enricher::encode::groups(&round, by);
+    let encoded = firn_enricher::encode::per_label_set(&round, &groups);
+    uploads.round(&round, &groups, &encoded, symbolizer);
     let mut items = Vec::with_capacity(encoded.len());
     let mut latest = Vec::with_capacity(encoded.len());
     // Names must be unique within a round: one pid can be two processes in a round

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use firn_enricher::batch;
-use firn_enricher::encode::{per_label_set, ProfileBy};
+use firn_enricher::encode::{groups, per_label_set, ProfileBy};
 use firn_enricher::enrich::Enricher;
 use firn_enricher::labels::{Labeler, System};
 use firn_enricher::metrics::Metrics;
@@ -36,7 +36,7 @@ fuzz_target!(|data: &[u8]| {
     let mut enricher = Enricher::new(Symbolizer::new(Limits { binaries: 8, ..Limits::default() }, metrics.clone()), labeler, metrics);
     let round = futures::executor::block_on(enricher.handle(b, None));
     for by in [ProfileBy::Process, ProfileBy::Container] {
-        for e in per_label_set(&round, by) {
+        for e in per_label_set(&round, &groups(&round, by)) {
             assert!(e.samples >= 0);
         }
     }

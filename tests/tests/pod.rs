@@ -80,7 +80,11 @@ fn spec(pod: &serde_yaml::Value, list: &str, name: &str) -> Spec {
     let sc = &c["securityContext"];
     let uid = sc["runAsUser"].as_u64().expect("runAsUser");
     let gid = sc["runAsGroup"].as_u64().unwrap_or(uid);
-    assert_eq!(strings(&sc["capabilities"]["drop"]), ["ALL"], "{name} drops ALL");
+    assert_eq!(
+        strings(&sc["capabilities"]["drop"]),
+        ["ALL"],
+        "{name} drops ALL"
+    );
     Spec {
         command: strings(&c["command"]),
         args: strings(&c["args"]),
@@ -92,7 +96,10 @@ fn spec(pod: &serde_yaml::Value, list: &str, name: &str) -> Spec {
             .replace("Mi", "m"),
         read_only: sc["readOnlyRootFilesystem"].as_bool() == Some(true),
         no_new_privs: sc["allowPrivilegeEscalation"].as_bool() == Some(false),
-        seccomp: sc["seccompProfile"]["type"].as_str().unwrap_or("").to_string(),
+        seccomp: sc["seccompProfile"]["type"]
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
         localhost_profile: sc["seccompProfile"]["localhostProfile"]
             .as_str()
             .map(str::to_string),
@@ -149,7 +156,11 @@ fn workload_image(conf: &Path, binary: &Path, tag: &str) {
         }
     }
     let ctr = stdout(&run(conf, "buildah", &["from", "scratch"]));
-    run(conf, "buildah", &["copy", "--quiet", &ctr, &root.display().to_string(), "/"]);
+    run(
+        conf,
+        "buildah",
+        &["copy", "--quiet", &ctr, &root.display().to_string(), "/"],
+    );
     run(conf, "buildah", &["commit", "--quiet", "--rm", &ctr, tag]);
 }
 
@@ -258,7 +269,11 @@ fn the_pod_profiles_a_container_under_podman() {
         "the init step installed another profile"
     );
 
-    run(&conf, "podman", &["pod", "create", "--name", &name, "--pid", "host"]);
+    run(
+        &conf,
+        "podman",
+        &["pod", "create", "--name", &name, "--pid", "host"],
+    );
     let start = |clean: &mut Cleanup, suffix: &str, s: &Spec, extra: &[String]| -> String {
         let cname = format!("{name}-{suffix}");
         clean.names.push(cname.clone());
@@ -341,9 +356,13 @@ fn the_pod_profiles_a_container_under_podman() {
 
     // The steady state as the kernel reports it for each container's process.
     let pid_of = |id: &str| -> u32 {
-        stdout(&run(&conf, "podman", &["inspect", "--format", "{{.State.Pid}}", id]))
-            .parse()
-            .unwrap()
+        stdout(&run(
+            &conf,
+            "podman",
+            &["inspect", "--format", "{{.State.Pid}}", id],
+        ))
+        .parse()
+        .unwrap()
     };
     let sp = pid_of(&sampler_id);
     assert_eq!(status_field(sp, "CapEff").unwrap(), "0000000000080000");
@@ -395,8 +414,9 @@ fn the_pod_profiles_a_container_under_podman() {
     let files: Vec<PathBuf> = entries.iter().map(|(f, _)| f.clone()).collect();
     let tr = traces(&files);
     assert!(
-        tr.iter().any(|t| t.1.first().is_some_and(|f| f == "hot_leaf")
-            && t.1.iter().any(|f| f == "middle")),
+        tr.iter()
+            .any(|t| t.1.first().is_some_and(|f| f == "hot_leaf")
+                && t.1.iter().any(|f| f == "middle")),
         "the workload's frames are not named (its binary is only in its container):\n{tr:#?}"
     );
     // What the memory limits are measured against: each container's peak.

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::cli::Args;
-use crate::encode::{Encoded, ProfileBy};
+use crate::encode::Encoded;
 use crate::enrich::Round;
 use crate::metrics::Metrics;
 use crate::profile::Frame;
@@ -46,7 +46,6 @@ pub enum UploadError {
 
 /// The upload sinks that are on, fed once per round.
 pub struct Uploads {
-    by: ProfileBy,
     otlp: Option<Rc<Delivery>>,
     parca: Option<Rc<Delivery>>,
     parca_token: Option<Rc<parca::Token>>,
@@ -70,7 +69,6 @@ impl Uploads {
             .clone()
             .unwrap_or_else(|| args.output_dir.join(".spool"));
         let mut up = Uploads {
-            by: args.profile_by,
             otlp: None,
             parca: None,
             parca_token: None,
@@ -146,7 +144,13 @@ impl Uploads {
 
     /// Encodes the round for each sink and queues it; offers Parca the binaries it
     /// may need. `encoded` are the round's pprof profiles (the local sink's).
-    pub fn round(&self, round: &Round, encoded: &[Encoded], symbolizer: &Symbolizer) {
+    pub fn round(
+        &self,
+        round: &Round,
+        groups: &crate::encode::Groups,
+        encoded: &[Encoded],
+        symbolizer: &Symbolizer,
+    ) {
         let id = request_id(round.end_ns, round.round);
         let timed = |d: &Rc<Delivery>, body: Option<Vec<u8>>, t: std::time::Instant| {
             SinkMetrics::add(&d.metrics.encode_ns, t.elapsed().as_nanos() as u64);
@@ -159,7 +163,7 @@ impl Uploads {
         };
         if let Some(d) = &self.otlp {
             let t = std::time::Instant::now();
-            timed(d, otlp::encode(round, self.by), t);
+            timed(d, otlp::encode(round, groups), t);
         }
         if let Some(d) = &self.parca {
             let t = std::time::Instant::now();
@@ -178,6 +182,9 @@ impl Uploads {
     ) {
         let all = di.mode() == debuginfo::Mode::All;
         let mut seen = std::collections::HashSet::new();
+        // Frames share their mapping's Arc: a pointer check spares hashing the build id
+        // string for every frame of every stack.
+        let mut seen_mappings = std::collections::HashSet::new();
         for s in &round.stacks {
             for f in s.frames.iter() {
                 let Frame::User {
@@ -189,6 +196,9 @@ impl Uploads {
                     continue;
                 };
                 if m.build_id.is_empty() || (lines.is_some() && !all) {
+                    continue;
+                }
+                if !seen_mappings.insert(Arc::as_ptr(m)) {
                     continue;
                 }
                 if !seen.insert(m.build_id.clone()) || !di.wants(&m.build_id) {

@@ -30,7 +30,7 @@ use tonic::transport::Channel;
 use super::delivery::Transport;
 use super::grpc;
 use super::{SendError, SinkMetrics};
-use crate::encode::{self, ProfileBy};
+use crate::encode;
 use crate::enrich::Round;
 use crate::profile::{Frame, LabelSet, MappingSpec};
 
@@ -285,8 +285,7 @@ fn profile_id(round: &Round, labels: &LabelSet, kind: &str) -> Vec<u8> {
 }
 
 /// The round as one encoded `ExportProfilesServiceRequest` (None: no samples).
-pub fn encode(round: &Round, by: ProfileBy) -> Option<Vec<u8>> {
-    let groups = encode::groups(round, by);
+pub fn encode(round: &Round, groups: &encode::Groups) -> Option<Vec<u8>> {
     if groups.is_empty() {
         return None;
     }
@@ -307,7 +306,7 @@ pub fn encode(round: &Round, by: ProfileBy) -> Option<Vec<u8>> {
         // Equal stacks of the group sum into one sample.
         let mut by_stack: HashMap<i32, i64> = HashMap::new();
         let mut order = Vec::new();
-        for i in idx {
+        for &i in idx {
             let s = &round.stacks[i];
             let stack = dict.stack(&s.frames);
             let count = i64::try_from(s.count).unwrap_or(i64::MAX);
@@ -450,7 +449,8 @@ mod tests {
             frequency_hz: 100,
             stacks: vec![stack.clone(), stack],
         };
-        let bytes = encode(&round, ProfileBy::Process).unwrap();
+        let groups = encode::groups(&round, encode::ProfileBy::Process);
+        let bytes = encode(&round, &groups).unwrap();
         let req = ExportProfilesServiceRequest::decode(bytes.as_slice()).unwrap();
         let d = req.dictionary.unwrap();
         assert_eq!(d.string_table[0], "");

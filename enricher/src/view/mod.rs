@@ -144,18 +144,16 @@ pub struct View {
 /// A chart series being summed: the filter a click applies, samples per round end.
 type Summing = (Option<(String, String)>, BTreeMap<u64, u64>);
 
-fn label<'a>(s: &'a StackSample, k: &str) -> Option<&'a str> {
-    s.labels
-        .iter()
-        .find(|(n, _)| n == k)
-        .map(|(_, v)| v.as_str())
+/// The value of label `k` in a label set.
+fn label<'a>(l: &'a crate::profile::LabelSet, k: &str) -> Option<&'a str> {
+    l.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
 }
 
 /// Names of a stack from the root to the leaf: the process's comm, then the frames
 /// (inline frames expanded, callers first).
 fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
     out.clear();
-    out.push(Arc::from(label(s, "comm").unwrap_or("?")));
+    out.push(Arc::from(label(&s.labels, "comm").unwrap_or("?")));
     for f in s.frames.iter().rev() {
         match f {
             Frame::Kernel(name) => out.push(name.clone()),
@@ -362,7 +360,7 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
                 let keep = q
                     .filters
                     .iter()
-                    .all(|(k, v)| label(s, k) == Some(v.as_str()));
+                    .all(|(k, v)| label(&s.labels, k) == Some(v.as_str()));
                 (keep, BTreeMap::new())
             });
             if !*keep {
@@ -402,9 +400,7 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
             }
         }
     }
-    let get = |l: &crate::profile::LabelSet, k: &str| {
-        l.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
-    };
+    let get = |l: &crate::profile::LabelSet, k: &str| label(l, k).map(str::to_string);
     for (labels, count) in all_sets.values() {
         if node.is_empty() {
             node = get(labels, "node").unwrap_or_default();
