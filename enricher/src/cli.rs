@@ -137,6 +137,46 @@ pub struct Args {
     #[arg(long, env = "FIRN_UPLOAD_SPOOL_SIZE", default_value = "256MiB", value_parser = parse_bytes)]
     pub upload_spool_size: u64,
 
+    /// Send every round to OpenSearch as documents (`_bulk`): one per profile (labels,
+    /// samples, CPU, top functions, a link to the pprof) and one per distinct stack
+    /// (frames leaf first), into daily indices `<prefix>-YYYY.MM.DD`, with an index
+    /// template installed when absent. http:// is plain, https:// is TLS with the
+    /// system's roots (or --opensearch-ca-file).
+    #[arg(long, env = "FIRN_OPENSEARCH_URL")]
+    pub opensearch_url: Option<String>,
+
+    /// User for OpenSearch's basic authentication; the password comes from
+    /// --opensearch-password-file or the FIRN_OPENSEARCH_PASSWORD environment variable,
+    /// never from a flag.
+    #[arg(long, env = "FIRN_OPENSEARCH_USERNAME")]
+    pub opensearch_username: Option<String>,
+
+    /// File holding the OpenSearch password. Read at start and on SIGHUP; never logged.
+    #[arg(long, env = "FIRN_OPENSEARCH_PASSWORD_FILE")]
+    pub opensearch_password_file: Option<PathBuf>,
+
+    /// PEM CA certificate(s) to verify an https:// OpenSearch with, instead of the
+    /// system's roots.
+    #[arg(long, env = "FIRN_OPENSEARCH_CA_FILE")]
+    pub opensearch_ca_file: Option<PathBuf>,
+
+    /// Index names: `<prefix>-YYYY.MM.DD` (UTC), and the index template `<prefix>`.
+    #[arg(long, env = "FIRN_OPENSEARCH_INDEX_PREFIX", default_value = "firn-profiles",
+          value_parser = index_prefix)]
+    pub opensearch_index_prefix: String,
+
+    /// Stack documents per round at most: the stacks with the most samples are kept,
+    /// the rest are counted in their profile documents only. Bounds the bytes a round
+    /// sends.
+    #[arg(long, env = "FIRN_OPENSEARCH_MAX_STACKS", default_value_t = 2_000,
+          value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub opensearch_max_stacks: u32,
+
+    /// Base of the pprof links in profile documents (the enricher's HTTP address as
+    /// others reach it); default: http://<--http-address>.
+    #[arg(long, env = "FIRN_OPENSEARCH_PPROF_BASE_URL")]
+    pub opensearch_pprof_base_url: Option<String>,
+
     /// Bytes of unsent requests each upload sink keeps in memory before spooling the
     /// oldest to disk.
     #[arg(long, env = "FIRN_UPLOAD_MEMORY", default_value = "4MiB", value_parser = parse_bytes)]
@@ -238,6 +278,23 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(format!("{s:?}: give a unit: s, m, h or d")),
     };
     Ok(Duration::from_secs(n.saturating_mul(secs)))
+}
+
+/// OpenSearch index names: lowercase, no `\\/*?"<>| ,#:`, not starting with `-_+`.
+fn index_prefix(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 200
+        && !s.starts_with(['-', '_', '+'])
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-_.".contains(c));
+    if ok {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "{s:?} is not a valid OpenSearch index prefix: use lowercase letters, digits, \
+             '-', '_' and '.', not starting with '-', '_' or '+'"
+        ))
+    }
 }
 
 #[cfg(test)]

@@ -53,6 +53,13 @@ pub struct FileConfig {
     pub parca_bearer_token_file: Option<PathBuf>,
     pub parca_ca_file: Option<PathBuf>,
     pub debuginfo_upload: Option<crate::upload::debuginfo::Mode>,
+    pub opensearch_url: Option<String>,
+    pub opensearch_username: Option<String>,
+    pub opensearch_password_file: Option<PathBuf>,
+    pub opensearch_ca_file: Option<PathBuf>,
+    pub opensearch_index_prefix: Option<String>,
+    pub opensearch_max_stacks: Option<u32>,
+    pub opensearch_pprof_base_url: Option<String>,
     pub debuginfo_upload_concurrency: Option<u32>,
     pub debuginfo_upload_rate: Option<String>,
     pub upload_spool_dir: Option<PathBuf>,
@@ -220,6 +227,13 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take_opt!(parca_bearer_token_file);
     take_opt!(parca_ca_file);
     take_opt!(upload_spool_dir);
+    take_opt!(opensearch_url);
+    take_opt!(opensearch_username);
+    take_opt!(opensearch_password_file);
+    take_opt!(opensearch_ca_file);
+    take_opt!(opensearch_pprof_base_url);
+    take!(opensearch_index_prefix);
+    take!(opensearch_max_stacks);
     take!(otlp_headers);
     take!(otlp_compression);
     take!(parca_insecure);

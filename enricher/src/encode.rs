@@ -8,6 +8,8 @@ use crate::enrich::Round;
 use crate::profile::{self, LabelSet};
 
 pub struct Encoded {
+    /// Its index in the round's [`Groups`].
+    pub group: usize,
     pub labels: Arc<LabelSet>,
     pub samples: i64,
     pub gz: Arc<Vec<u8>>,
@@ -64,7 +66,7 @@ pub fn groups(round: &Round, by: ProfileBy) -> Groups {
 
 pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
     let mut out = Vec::with_capacity(groups.len());
-    for (labels, idx) in groups {
+    for (group, (labels, idx)) in groups.iter().enumerate() {
         let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));
@@ -85,6 +87,7 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
         let samples = profile::sample_count(&p);
         match profile::encode_gz(&p) {
             Ok(gz) => out.push(Encoded {
+                group,
                 labels: labels.clone(),
                 samples,
                 gz: Arc::new(gz),
@@ -93,4 +96,27 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
         }
     }
     out
+}
+
+/// The file stem of each group's profile within its round: `pid-<pid>`, or `set` when
+/// the labels have no pid (`--profile-by container`), numbered when taken twice (a pid
+/// reused within a round is two processes).
+pub fn file_stems(groups: &Groups) -> Vec<String> {
+    let mut taken: HashMap<String, u32> = HashMap::new();
+    groups
+        .iter()
+        .map(|(labels, _)| {
+            let base = labels
+                .iter()
+                .find(|(k, _)| k == "pid")
+                .map_or_else(|| "set".to_string(), |(_, v)| format!("pid-{v}"));
+            let n = taken.entry(base.clone()).or_insert(0);
+            *n += 1;
+            if *n == 1 {
+                base
+            } else {
+                format!("{base}-{n}")
+            }
+        })
+        .collect()
 }

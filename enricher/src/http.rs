@@ -57,6 +57,9 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub inner: Mutex<Inner>,
     profiling: AtomicBool,
+    /// The local sink's directory, for `/rounds/<round>/<file>` (the OpenSearch
+    /// documents' pprof links).
+    pub output_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl Shared {
@@ -65,6 +68,7 @@ impl Shared {
             metrics,
             inner: Mutex::new(Inner::default()),
             profiling: AtomicBool::new(false),
+            output_dir: std::sync::OnceLock::new(),
         })
     }
 
@@ -116,6 +120,7 @@ pub fn router(state: Arc<Shared>) -> Router {
         .route("/healthz", get(healthz))
         .route("/profiles", get(list))
         .route("/profiles/{id}", get(one))
+        .route("/rounds/{round}/{file}", get(round_file))
         .route("/pprof/cpu", get(host_cpu))
         .route("/debug/pprof/profile", get(self_profile))
         .route("/symbolz", get(symbolz).post(symbolz))
@@ -260,6 +265,62 @@ async fn one(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
         None => (
             StatusCode::NOT_FOUND,
             "no such profile among the latest (see /profiles)\n",
+        )
+            .into_response(),
+    }
+}
+
+/// A round's pprof file from the local sink's directory, while retention keeps it. Both
+/// names are checked against the sink's own patterns: no other file can be named.
+async fn round_file(
+    State(s): State<Arc<Shared>>,
+    Path((round, file)): Path<(String, String)>,
+) -> Response {
+    count(&s);
+    let round_ok = round.len() <= 40
+        && round.split_once("Z-r").is_some_and(|(stamp, n)| {
+            stamp.len() == 15
+                && stamp.as_bytes()[8] == b'T'
+                && stamp
+                    .bytes()
+                    .enumerate()
+                    .all(|(i, b)| i == 8 || b.is_ascii_digit())
+                && !n.is_empty()
+                && n.bytes().all(|b| b.is_ascii_digit())
+        });
+    let file_ok = file.len() <= 64
+        && file.strip_suffix(".pb.gz").is_some_and(|stem| {
+            !stem.is_empty()
+                && stem
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        });
+    let Some(dir) = s.output_dir.get() else {
+        return (StatusCode::NOT_FOUND, "no local profile directory\n").into_response();
+    };
+    if !round_ok || !file_ok {
+        return (
+            StatusCode::BAD_REQUEST,
+            "give /rounds/<YYYYMMDDTHHMMSSZ-rNNNNNN>/<name>.pb.gz, as the index lists them\n",
+        )
+            .into_response();
+    }
+    // Files of one round are small (one process), read at once.
+    match std::fs::read(dir.join(&round).join(&file)) {
+        Ok(bytes) => (
+            [
+                (header::CONTENT_TYPE, "application/octet-stream".to_string()),
+                (
+                    header::CONTENT_DISPOSITION,
+                    format!("attachment; filename=\"{round}-{file}\""),
+                ),
+            ],
+            bytes,
+        )
+            .into_response(),
+        Err(_) => (
+            StatusCode::NOT_FOUND,
+            "no such round file (retention may have removed it)\n",
         )
             .into_response(),
     }

@@ -4,7 +4,6 @@
 use firn_enricher::labels::{Labeler, System};
 use firn_enricher::{cli, client, config, http, summary, symbolize};
 
-use std::collections::HashMap;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -109,6 +108,7 @@ async fn run(args: cli::Args, labeling: config::Labeling) -> ExitCode {
         }
     };
     let http = http::Shared::new(metrics.clone());
+    let _ = http.output_dir.set(args.output_dir.clone());
     let mut pipeline = if args.dump {
         None
     } else {
@@ -254,22 +254,13 @@ fn write(round: Round, by: firn_enricher::encode::ProfileBy, out: Out<'_>, metri
         symbolizer,
     } = out;
     let groups = firn_enricher::encode::groups(&round, by);
+    let stems = firn_enricher::encode::file_stems(&groups);
     let encoded = firn_enricher::encode::per_label_set(&round, &groups);
-    uploads.round(&round, &groups, &encoded, symbolizer);
+    uploads.round(&round, &groups, &stems, &encoded, symbolizer);
     let mut items = Vec::with_capacity(encoded.len());
     let mut latest = Vec::with_capacity(encoded.len());
-    // Names must be unique within a round: one pid can be two processes in a round
-    // (reuse), and without a pid label (--profile-by container) every set shares "set".
-    let mut taken: HashMap<String, u32> = HashMap::new();
     for e in encoded {
-        let base = e
-            .labels
-            .iter()
-            .find(|(k, _)| k == "pid")
-            .map_or_else(|| "set".to_string(), |(_, v)| format!("pid-{v}"));
-        let n = taken.entry(base.clone()).or_insert(0);
-        *n += 1;
-        let stem = if *n == 1 { base } else { format!("{base}-{n}") };
+        let stem = &stems[e.group];
         let name = format!("{stem}.pb.gz");
         let id = format!("r{}-{stem}", round.round);
         latest.push(http::Latest {

@@ -35,6 +35,32 @@ pub enum Frame {
     Kernel(Arc<str>),
 }
 
+/// The names one frame stands for, callers first: its inline chain, a kernel symbol, or
+/// `file+0xoffset` for code no symbol names (the web view and OpenSearch show these).
+pub fn frame_names(f: &Frame, out: &mut Vec<Arc<str>>) {
+    match f {
+        Frame::Kernel(name) => out.push(name.clone()),
+        Frame::User {
+            lines: Some(lines), ..
+        } => out.extend(lines.iter().rev().map(|l| l.function.clone())),
+        Frame::User {
+            mapping, address, ..
+        } => {
+            let name = match mapping {
+                Some(m) => {
+                    let base = m.file.rsplit('/').next().unwrap_or(&m.file);
+                    format!(
+                        "{base}+{:#x}",
+                        address.wrapping_sub(m.start).wrapping_add(m.offset)
+                    )
+                }
+                None => format!("{address:#x}"),
+            };
+            out.push(Arc::from(name.as_str()));
+        }
+    }
+}
+
 /// Labels, sorted by name.
 pub type LabelSet = Vec<(String, String)>;
 

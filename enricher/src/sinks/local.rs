@@ -122,7 +122,7 @@ impl LocalSink {
                 min: self.s.min_free_bytes,
             });
         }
-        let name = format!("{}-r{:06}", utc_stamp(round.start_ns), round.round);
+        let name = round_dir(round);
         let tmp = self.s.dir.join(format!(".tmp-{name}"));
         let result = (|| {
             std::fs::create_dir(&tmp).map_err(io("creating", &tmp))?;
@@ -213,6 +213,11 @@ fn is_round_name(n: &str) -> bool {
 }
 
 /// `YYYYMMDDTHHMMSSZ` of a Unix time in ns.
+/// The folder of one round under --output-dir.
+pub fn round_dir(round: &Round) -> String {
+    format!("{}-r{:06}", utc_stamp(round.start_ns), round.round)
+}
+
 pub fn utc_stamp(ns: u64) -> String {
     let secs = (ns / 1_000_000_000) as i64;
     let days = secs.div_euclid(86_400);

@@ -7,6 +7,7 @@
 pub mod debuginfo;
 pub mod delivery;
 pub mod grpc;
+pub mod opensearch;
 pub mod otlp;
 pub mod parca;
 pub mod parca_proto;
@@ -42,6 +43,8 @@ pub enum UploadError {
     Parca(grpc::GrpcError),
     #[error("--parca-bearer-token-file: {0}")]
     Token(parca::ParcaError),
+    #[error("{0}")]
+    OpenSearch(#[from] opensearch::OpenSearchError),
 }
 
 /// The upload sinks that are on, fed once per round.
@@ -50,6 +53,11 @@ pub struct Uploads {
     parca: Option<Rc<Delivery>>,
     parca_token: Option<Rc<parca::Token>>,
     debuginfo: Option<Rc<debuginfo::Debuginfo>>,
+    opensearch: Option<(
+        Rc<Delivery>,
+        opensearch::Format,
+        Rc<opensearch::Credentials>,
+    )>,
     metrics: Arc<Metrics>,
 }
 
@@ -73,6 +81,7 @@ impl Uploads {
             parca: None,
             parca_token: None,
             debuginfo: None,
+            opensearch: None,
             metrics: metrics.clone(),
         };
         let sink = |name: &'static str| {
@@ -113,7 +122,12 @@ impl Uploads {
                 .map_err(UploadError::Parca)?;
             let token = parca::Token::new(args.parca_bearer_token_file.clone())
                 .map_err(UploadError::Token)?;
-            let d = Delivery::new("parca", &spool_root.join("parca"), limits, sink("parca"));
+            let d = Delivery::new(
+                "parca",
+                &spool_root.join("parca"),
+                limits.clone(),
+                sink("parca"),
+            );
             let t = parca::ParcaTransport {
                 channel: channel.clone(),
                 token: token.clone(),
@@ -135,11 +149,45 @@ impl Uploads {
             up.parca = Some(d);
             up.parca_token = Some(token);
         }
+        if let Some(url) = &args.opensearch_url {
+            let (client, base) = opensearch::client(url, args.opensearch_ca_file.as_deref())?;
+            let credentials = opensearch::Credentials::new(
+                args.opensearch_username.clone(),
+                args.opensearch_password_file.clone(),
+            )?;
+            let m = sink("opensearch");
+            let dir = spool_root.join("opensearch");
+            let d = Delivery::new("opensearch", &dir, limits, m.clone());
+            let prefix = args.opensearch_index_prefix.clone();
+            let template = serde_json::to_vec(&opensearch::template(&prefix)).unwrap_or_default();
+            let t = Rc::new(opensearch::OpenSearchTransport {
+                client,
+                base,
+                template_name: prefix.clone(),
+                template: Arc::new(template),
+                credentials: credentials.clone(),
+                metrics: m,
+                global: metrics.clone(),
+                template_ok: std::cell::Cell::new(false),
+                refused_generation: std::cell::Cell::new(None),
+            });
+            tokio::task::spawn_local(d.clone().run(Rc::new(t)));
+            tracing::info!(url = %url, index_prefix = %prefix, spool = %dir.display(), "sending profiles to OpenSearch");
+            let format = opensearch::Format {
+                index_prefix: prefix,
+                max_stacks: args.opensearch_max_stacks as usize,
+                pprof_base: opensearch::pprof_base(
+                    args.opensearch_pprof_base_url.as_deref(),
+                    args.http_address,
+                ),
+            };
+            up.opensearch = Some((d, format, credentials));
+        }
         Ok(up)
     }
 
     pub fn any(&self) -> bool {
-        self.otlp.is_some() || self.parca.is_some()
+        self.otlp.is_some() || self.parca.is_some() || self.opensearch.is_some()
     }
 
     /// Encodes the round for each sink and queues it; offers Parca the binaries it
@@ -148,6 +196,7 @@ impl Uploads {
         &self,
         round: &Round,
         groups: &crate::encode::Groups,
+        stems: &[String],
         encoded: &[Encoded],
         symbolizer: &Symbolizer,
     ) {
@@ -168,6 +217,17 @@ impl Uploads {
         if let Some(d) = &self.parca {
             let t = std::time::Instant::now();
             timed(d, parca::encode(encoded), t);
+        }
+        if let Some((d, format, _)) = &self.opensearch {
+            let t = std::time::Instant::now();
+            let body = opensearch::encode(round, groups, stems, format).map(|(body, enc)| {
+                Metrics::add(
+                    &self.metrics.opensearch_stacks_left_out,
+                    enc.stacks_left_out as u64,
+                );
+                body
+            });
+            timed(d, body, t);
         }
         if let Some(di) = &self.debuginfo {
             self.offer_debuginfo(di, round, symbolizer);
@@ -214,8 +274,17 @@ impl Uploads {
         }
     }
 
-    /// SIGHUP: reads token files again.
+    /// SIGHUP: reads token and password files again.
     pub fn reload(&self) {
+        if let Some((_, _, c)) = &self.opensearch {
+            match c.reload() {
+                Ok(()) => tracing::info!("OpenSearch credentials reloaded"),
+                Err(e) => {
+                    Metrics::inc(&self.metrics.upload_token_reload_errors);
+                    tracing::warn!(error = %e, "OpenSearch password not reloaded; the previous one stays");
+                }
+            }
+        }
         if let Some(t) = &self.parca_token {
             if let Err(e) = t.reload() {
                 Metrics::inc(&self.metrics.upload_token_reload_errors);
@@ -297,6 +366,9 @@ sink_metrics! {
     spooled: "counter", "requests written to the on-disk spool",
     spool_errors: "counter", "spool writes or reads that failed (disk full, I/O error)",
     encode_ns: "counter", "nanoseconds spent encoding rounds for this sink (in the round loop)",
+    documents_sent: "counter", "documents OpenSearch accepted (its _bulk answer, item by item)",
+    documents_rejected: "counter", "documents OpenSearch refused for what they hold (mapping errors; dropped, not retried)",
+    documents_retried: "counter", "documents OpenSearch asked to send again (429, 5xx items)",
     queue_requests: "gauge", "requests waiting in memory",
     queue_bytes: "gauge", "bytes waiting in memory",
     spool_requests: "gauge", "requests waiting in the on-disk spool",

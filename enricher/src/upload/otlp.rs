@@ -338,7 +338,7 @@ pub fn encode(round: &Round, groups: &encode::Groups) -> Option<Vec<u8>> {
                 unit_strindex: ns_t,
             }),
             period,
-            profile_id: profile_id(round, &labels, kind),
+            profile_id: profile_id(round, labels, kind),
             dropped_attributes_count: 0,
             original_payload_format: String::new(),
             original_payload: Vec::new(),
@@ -346,7 +346,7 @@ pub fn encode(round: &Round, groups: &encode::Groups) -> Option<Vec<u8>> {
         };
         resource_profiles.push(ResourceProfiles {
             resource: Some(Resource {
-                attributes: resource_attributes(&labels),
+                attributes: resource_attributes(labels),
                 dropped_attributes_count: 0,
                 entity_refs: Vec::new(),
             }),

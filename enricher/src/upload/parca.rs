@@ -172,6 +172,7 @@ mod tests {
         assert_eq!(names, ["__name__", "container_id", "pid"]);
         assert_eq!(l[1].value, "c1");
         let enc = Encoded {
+            group: 0,
             labels: Arc::new(firn),
             samples: 1,
             gz: Arc::new(vec![1, 2, 3]),

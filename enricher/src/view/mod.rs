@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::enrich::Round;
-use crate::profile::{Frame, StackSample};
+use crate::profile::StackSample;
 
 pub const PAGE: &str = include_str!("page.html");
 pub const SCRIPT: &str = include_str!("app.js");
@@ -155,24 +155,7 @@ fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
     out.clear();
     out.push(Arc::from(label(&s.labels, "comm").unwrap_or("?")));
     for f in s.frames.iter().rev() {
-        match f {
-            Frame::Kernel(name) => out.push(name.clone()),
-            Frame::User {
-                lines: Some(lines), ..
-            } => out.extend(lines.iter().rev().map(|l| l.function.clone())),
-            Frame::User {
-                mapping, address, ..
-            } => {
-                let name = match mapping {
-                    Some(m) => {
-                        let base = m.file.rsplit('/').next().unwrap_or(&m.file);
-                        format!("{base}+{:#x}", address - m.start + m.offset)
-                    }
-                    None => format!("{address:#x}"),
-                };
-                out.push(Arc::from(name.as_str()));
-            }
-        }
+        crate::profile::frame_names(f, out);
     }
 }
 
@@ -546,7 +529,7 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::LabelSet;
+    use crate::profile::{Frame, LabelSet};
     use crate::symbolize::Line;
 
     fn stack(pid: &str, comm: &str, fns: &[&str], count: u64) -> StackSample {
