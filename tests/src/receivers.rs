@@ -75,3 +75,23 @@ pub fn readable_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     p
 }
+
+/// The OpenSearch stand-in on `port` (Python's standard library only: no OpenSearch
+/// server can run here), writing `out/state.json`; `extra`: --user U --password P,
+/// --bulk-429 N, --mixed.
+pub fn start_opensearch_standin(port: u16, out: &Path, extra: &[&str]) -> Proc {
+    let mut cmd = Command::new("python3");
+    cmd.arg(repo_root().join("tests/receivers/opensearch_standin.py"))
+        .args(["--port", &port.to_string(), "--out"])
+        .arg(out)
+        .args(extra);
+    started(Proc::spawn("opensearch-standin", cmd), "the OpenSearch stand-in")
+}
+
+/// What the OpenSearch stand-in holds now (`state.json`).
+pub fn standin_state(out: &Path) -> Value {
+    std::fs::read_to_string(out.join("state.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(Value::Null)
+}

@@ -1,0 +1,309 @@
+//! End-to-end tests of the OpenSearch sink (issue: OpenSearch). No OpenSearch server can
+//! run on these machines, so the real sampler and enricher send to a stand-in
+//! (`tests/receivers/opensearch_standin.py`) that plays the documented `_bulk` and
+//! `_index_template` API, checks every NDJSON line, the auth header and the template's
+//! mappings, and answers with per-item errors and 429 when asked. What arrives is compared
+//! with the local sink's index for the same rounds.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::Duration;
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
+const PASSWORD: &str = "pw-7c41e0";
+
+fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// Enricher flags for the stand-in at `port` with the password file under `dir`.
+fn sink_args(dir: &Path, port: u16, password: &str) -> Vec<String> {
+    let pw = readable_file(dir, "os-password", &format!("{password}\n"));
+    let mut a = strs(&["--opensearch-url"]);
+    a.push(format!("http://127.0.0.1:{port}"));
+    a.extend(strs(&["--opensearch-username", "firn", "--opensearch-password-file"]));
+    a.push(pw.display().to_string());
+    // Quick retries: the tests wait for backends that come back.
+    a.extend(strs(&["--upload-backoff-max", "2s"]));
+    a
+}
+
+/// (round start in ms → samples) of `pid` in the local sink's index.
+fn local_rounds(out: &Path, pid: u32) -> BTreeMap<u64, u64> {
+    let mut m = BTreeMap::new();
+    for (_, e) in index_records(out) {
+        if e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()) {
+            *m.entry(e["start_ns"].as_u64().unwrap() / 1_000_000).or_insert(0) +=
+                e["samples"].as_u64().unwrap();
+        }
+    }
+    m
+}
+
+/// Documents of one type for `pid` in the stand-in.
+fn docs(state: &Value, doc_type: &str, pid: u32) -> Vec<Value> {
+    state["docs"]
+        .as_object()
+        .map(|m| {
+            m.values()
+                .filter(|d| {
+                    d["doc_type"] == doc_type
+                        && d["labels"]["pid"].as_str() == Some(pid.to_string().as_str())
+                })
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// (round start in ms → samples) of `pid`'s profile documents.
+fn remote_rounds(state: &Value, pid: u32) -> BTreeMap<u64, u64> {
+    let mut m = BTreeMap::new();
+    for d in docs(state, "profile", pid) {
+        *m.entry(d["start"].as_u64().unwrap()).or_insert(0) += d["samples"].as_u64().unwrap();
+    }
+    m
+}
+
+fn upload_metric(f: &Firn, name: &str) -> f64 {
+    f.metric(&format!("firn_enricher_upload_{name}{{sink=\"opensearch\"}}"))
+        .unwrap_or(-1.0)
+}
+
+#[test]
+fn documents_match_the_local_index() {
+    if !can_run_bpf() {
+        return;
+    }
+    let rx = TempDir::new("os-rx");
+    let port = free_port();
+    let _standin = start_opensearch_standin(
+        port,
+        rx.path(),
+        &["--user", "firn", "--password", PASSWORD, "--mixed", "--bulk-429", "1"],
+    );
+    let mut f = Firn::start_with("os", FAST, |dir| sink_args(dir, port, PASSWORD));
+    let mut w = start_workload(&workload("busy"), &["5"]);
+    let pid = w.pid();
+    w.wait_exit(30 * SECS).expect("busy ends");
+    assert!(f.wait_profiles(pid, 2, 15 * SECS).len() >= 2);
+    let caught_up = wait_until(30 * SECS, || {
+        let state = standin_state(rx.path());
+        let remote = remote_rounds(&state, pid);
+        let local = local_rounds(&f.out, pid);
+        !local.is_empty()
+            && local.keys().all(|k| remote.contains_key(k))
+            && state["pending_retry"] == 0
+    });
+    let state = standin_state(rx.path());
+    let local = local_rounds(&f.out, pid);
+    assert!(
+        caught_up,
+        "rounds missing in OpenSearch: local {local:?}, remote {:?}; counts {}; enricher:\n{:#?}",
+        remote_rounds(&state, pid),
+        state["counts"],
+        f.enricher.as_ref().unwrap().lines()
+    );
+    assert_eq!(
+        state["violations"],
+        serde_json::json!([]),
+        "the stand-in's checks"
+    );
+    assert_eq!(remote_rounds(&state, pid), local, "samples per round");
+    // The template went in before any document, with firn's mappings.
+    let t = &state["templates"]["firn-profiles"];
+    assert_eq!(t["index_patterns"][0], "firn-profiles-*");
+    assert_eq!(
+        t["template"]["mappings"]["properties"]["frames"]["type"],
+        "keyword"
+    );
+    assert_eq!(state["counts"]["unauthorized"], 0);
+    // Profile documents: labels as the local index's, CPU, top functions, a pprof link
+    // that serves the local file.
+    let profiles = docs(&state, "profile", pid);
+    let p = &profiles[0];
+    assert_eq!(p["labels"]["executable"], "busy");
+    assert_eq!(p["comm"], "busy");
+    assert_eq!(
+        p["cpu_ns"].as_u64().unwrap(),
+        p["samples"].as_u64().unwrap() * (1_000_000_000 / 99)
+    );
+    assert_eq!(p["top_functions"][0]["function"], "hot_leaf", "{p}");
+    let url = p["pprof_url"].as_str().unwrap();
+    let path = url.split_once(&f.http).map(|(_, p)| p).expect("a link to this enricher");
+    let (status, body) = f.get(path);
+    assert_eq!(status, 200, "{url}");
+    assert_eq!(
+        body,
+        std::fs::read(f.out.join(p["pprof_file"].as_str().unwrap())).unwrap()
+    );
+    assert_eq!(f.get("/rounds/..%2f..%2fetc/passwd").0, 400);
+    // Stack documents: frames leaf first, summing to the profile's samples (those the
+    // stand-in refused excepted).
+    let stacks = docs(&state, "stack", pid);
+    assert!(
+        stacks.iter().any(|s| s["leaf"] == "hot_leaf"
+            && s["frames"][1] == "middle"
+            && s["frames"][2] == "outer"),
+        "no stack hot_leaf <- middle <- outer"
+    );
+    let refused: Vec<String> = state["rejected_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    let mut stack_sums: HashMap<String, u64> = HashMap::new();
+    for s in &stacks {
+        *stack_sums
+            .entry(s["profile_id"].as_str().unwrap().to_string())
+            .or_insert(0) += s["samples"].as_u64().unwrap();
+    }
+    if refused.is_empty() {
+        for p in &profiles {
+            assert_eq!(
+                stack_sums.get(p["profile_id"].as_str().unwrap()).copied(),
+                p["samples"].as_u64(),
+                "stacks of {p}"
+            );
+        }
+    }
+    // Per-item answers: refusals counted and not retried, 429 items sent again, the
+    // whole-request 429 retried.
+    let c = &state["counts"];
+    assert!(c["item_429"].as_u64().unwrap() > 0, "{c}");
+    assert_eq!(
+        upload_metric(&f, "documents_retried_total"),
+        c["item_429"].as_f64().unwrap()
+    );
+    assert_eq!(
+        upload_metric(&f, "documents_rejected_total"),
+        c["item_400"].as_f64().unwrap()
+    );
+    assert!(upload_metric(&f, "retries_total") >= 1.0, "the 429 answer");
+    assert_eq!(
+        f.metric("firn_enricher_opensearch_template_installs_total"),
+        Some(1.0)
+    );
+    dashboards_fit_the_template(&state["templates"]["firn-profiles"]);
+    let lines = f.enricher.as_ref().unwrap().lines().join("\n");
+    assert!(!lines.contains(PASSWORD), "the password reached the log");
+    let (_, metrics) = f.get("/metrics");
+    assert!(!String::from_utf8_lossy(&metrics).contains(PASSWORD));
+}
+
+#[test]
+fn down_then_back_loses_nothing_and_a_wrong_password_is_not_retried_in_a_loop() {
+    if !can_run_bpf() {
+        return;
+    }
+    let rx = TempDir::new("os-down");
+    let port = free_port();
+    // Down at start: nothing listens.
+    let mut f = Firn::start_with("osdown", FAST, |dir| sink_args(dir, port, "wrong"));
+    let mut w = start_workload(&workload("busy"), &["6"]);
+    let pid = w.pid();
+    w.wait_exit(30 * SECS).expect("busy ends");
+    assert!(f.wait_profiles(pid, 2, 15 * SECS).len() >= 2);
+    assert!(
+        wait_until(10 * SECS, || upload_metric(&f, "retries_total") >= 1.0),
+        "no retries while down"
+    );
+    assert_eq!(upload_metric(&f, "failing"), 1.0);
+    // Back, but the enricher's password is wrong: refused once, then nothing is sent
+    // until SIGHUP.
+    let mut standin = start_opensearch_standin(
+        port,
+        rx.path(),
+        &["--user", "firn", "--password", PASSWORD],
+    );
+    let enricher = f.enricher.as_ref().unwrap();
+    assert!(
+        enricher
+            .wait_for("refused firn's credentials", 20 * SECS)
+            .is_some(),
+        "no clear message for a wrong password: {:#?}",
+        enricher.lines()
+    );
+    std::thread::sleep(8 * SECS);
+    let state = standin_state(rx.path());
+    assert_eq!(
+        state["counts"]["unauthorized"], 1,
+        "a refused password was tried again without a SIGHUP"
+    );
+    assert_eq!(
+        f.metric("firn_enricher_opensearch_auth_failures_total"),
+        Some(1.0)
+    );
+    // The right password and SIGHUP: every round the local sink wrote arrives.
+    std::fs::write(f.dir.path().join("os-password"), format!("{PASSWORD}\n")).unwrap();
+    f.enricher
+        .as_ref()
+        .unwrap()
+        .signal(nix::sys::signal::Signal::SIGHUP);
+    let caught_up = wait_until(40 * SECS, || {
+        let remote = remote_rounds(&standin_state(rx.path()), pid);
+        let local = local_rounds(&f.out, pid);
+        !local.is_empty() && local.iter().all(|(k, n)| remote.get(k) == Some(n))
+    });
+    let state = standin_state(rx.path());
+    assert!(
+        caught_up,
+        "rounds lost while OpenSearch was down or refusing: local {:?}, remote {:?}",
+        local_rounds(&f.out, pid),
+        remote_rounds(&state, pid)
+    );
+    assert_eq!(state["violations"], serde_json::json!([]));
+    assert!(wait_until(10 * SECS, || upload_metric(&f, "failing") == 0.0));
+    standin.stop();
+}
+
+/// packaging/opensearch/firn-dashboards.ndjson (no OpenSearch Dashboards runs here): every
+/// line is a saved object, every reference names an object of the file, and every field
+/// a visualization or the search uses is mapped by the template firn installed.
+fn dashboards_fit_the_template(template: &Value) {
+    let text =
+        std::fs::read_to_string(repo_root().join("packaging/opensearch/firn-dashboards.ndjson"))
+            .unwrap();
+    let objects: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a saved object per line"))
+        .collect();
+    let ids: Vec<(&str, &str)> = objects
+        .iter()
+        .map(|o| (o["type"].as_str().unwrap(), o["id"].as_str().unwrap()))
+        .collect();
+    let props = &template["template"]["mappings"]["properties"];
+    let mapped = |f: &str| !props[f].is_null();
+    for o in &objects {
+        for r in o["references"].as_array().unwrap() {
+            let want = (r["type"].as_str().unwrap(), r["id"].as_str().unwrap());
+            assert!(ids.contains(&want), "{} refers to a missing {want:?}", o["id"]);
+        }
+        let a = &o["attributes"];
+        if let Some(vis) = a["visState"].as_str() {
+            let vis: Value = serde_json::from_str(vis).expect("visState is JSON");
+            for agg in vis["aggs"].as_array().unwrap() {
+                let f = agg["params"]["field"].as_str().unwrap();
+                assert!(mapped(f), "{}: field {f} is not in the template", o["id"]);
+            }
+        }
+        for c in a["columns"].as_array().into_iter().flatten() {
+            let c = c.as_str().unwrap();
+            assert!(mapped(c), "{}: column {c} is not in the template", o["id"]);
+        }
+        if let Some(s) = a["kibanaSavedObjectMeta"]["searchSourceJSON"].as_str() {
+            let s: Value = serde_json::from_str(s).expect("searchSourceJSON is JSON");
+            if let Some(q) = s["query"]["query"].as_str() {
+                if let Some((field, _)) = q.split_once(':') {
+                    assert!(mapped(field), "{}: query field {field}", o["id"]);
+                }
+            }
+        }
+    }
+    assert!(ids.contains(&("index-pattern", "firn-profiles")));
+    assert!(ids.iter().any(|(t, _)| *t == "dashboard"));
+}
