@@ -208,6 +208,28 @@ fn bench(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
             b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
         });
+        let stems = firn_enricher::encode::file_stems(&groups);
+        let format = firn_enricher::upload::opensearch::Format {
+            index_prefix: "firn-profiles".into(),
+            max_stacks: 2_000,
+            pprof_base: "http://127.0.0.1:7071".into(),
+        };
+        g.bench_function(BenchmarkId::new("upload_opensearch_encode", n), |b| {
+            b.iter(|| {
+                firn_enricher::upload::opensearch::encode(&round, &groups, &stems, &format)
+                    .map_or(0, |(v, _)| v.len())
+            })
+        });
+        let (os_bytes, os_enc) =
+            firn_enricher::upload::opensearch::encode(&round, &groups, &stems, &format)
+                .unwrap_or_default();
+        println!(
+            "round of {n} stacks: OpenSearch _bulk {} bytes, {} profile and {} stack documents, {} stacks left out",
+            os_bytes.len(),
+            os_enc.profiles,
+            os_enc.stacks,
+            os_enc.stacks_left_out
+        );
         // The web view's query over the window at its bound: 20,000 stacks (the 10k
         // round twice, as two rounds).
         if n == 10_000 {

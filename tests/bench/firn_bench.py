@@ -14,7 +14,7 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
             CPU), at each frequency; each half's CPU over 60 s after 30 s of warm-up,
             its RSS every 2 s and its peak (VmHWM over its whole life);
   upload    firn only, busy at 99 Hz: the enricher with the local sink alone, and with
-            OTLP and Parca uploads on (to the test receivers in tests/receivers/, set
+            OTLP, Parca and OpenSearch uploads on (to the test receivers in tests/receivers/, set
             up by tests/setup-tools.sh), interleaved; CPU over 60 s after 30 s, RSS,
             peak, and bytes sent per round and per 1,000 samples;
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
@@ -352,7 +352,7 @@ def upload_run(hz, mode, exe, rnd, warm=60, window=60):
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"firn-bench-upload-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
     if mode == "upload":
-        op, pp = free_port(), free_port()
+        op, pp, osp = free_port(), free_port(), free_port()
         rx = ROOT / "tests" / "receivers"
         receivers = [
             subprocess.Popen([str(ROOT / "target/test-venv/bin/python"), str(rx / "otlp_receiver.py"),
@@ -360,9 +360,13 @@ def upload_run(hz, mode, exe, rnd, warm=60, window=60):
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
             subprocess.Popen(["node", "--import", "./resolve-js.mjs", "parca_receiver.mjs",
                               "--port", str(pp), "--out", str(tmp / "parca.jsonl")], cwd=rx,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+            # The OpenSearch stand-in (no OpenSearch server runs here).
+            subprocess.Popen(["python3", str(rx / "opensearch_standin.py"), "--port", str(osp),
+                              "--out", str(tmp / "opensearch")],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         extra = ["--otlp-endpoint", f"http://127.0.0.1:{op}", "--parca-address", f"127.0.0.1:{pp}",
-                 "--parca-insecure"]
+                 "--parca-insecure", "--opensearch-url", f"http://127.0.0.1:{osp}"]
     f = Firn(rnd)
     f.start(hz, extra)
     time.sleep(max(0.0, warm - (time.time() - f.t0)))
@@ -387,8 +391,10 @@ def upload_run(hz, mode, exe, rnd, warm=60, window=60):
            "enricher_rss_mib": rss[-1] if rss else float("nan"),
            "enricher_rss_max_mib": max(rss, default=float("nan")),
            "enricher_peak_mib": res["rss_peak_enricher_kib"] / 1024, "samples": samples}
-    for sink in ("otlp", "parca"):
+    for sink in ("otlp", "parca", "opensearch"):
         sent = d(f'firn_enricher_upload_requests_sent_total{{sink="{sink}"}}')
+        docs = d(f'firn_enricher_upload_documents_sent_total{{sink="{sink}"}}')
+        out[f"{sink}_documents_per_round"] = docs / sent if sent else float("nan")
         nbytes = d(f'firn_enricher_upload_bytes_sent_total{{sink="{sink}"}}')
         out[f"{sink}_requests"] = sent
         out[f"{sink}_bytes_per_round"] = nbytes / sent if sent else float("nan")
@@ -406,7 +412,7 @@ def upload_table(rows):
     out = ["Target (#9): uploads add ≤ 0.5 ms/s of enricher CPU and ≤ 8 MiB of RSS at 99 Hz. The difference "
            "of whole-enricher CPU between runs is noisy (symbolization and unwind-table waves differ run to "
            "run); the encode time is the sinks' own work in the round loop, timed in the enricher.", "",
-           "| enricher | local sink only | + OTLP + Parca | added | verdict |", "|---|---|---|---|---|"]
+           "| enricher | local sink only | + OTLP + Parca + OpenSearch | added | verdict |", "|---|---|---|---|---|"]
     for key, label, limit in (("enricher_ms_per_s", "CPU ms/s", 0.5), ("enricher_rss_mib", "RSS MiB (end)", 8.0),
                               ("enricher_peak_mib", "peak MiB (VmHWM)", 8.0)):
         a, b = bl.med(col("local", key)), bl.med(col("upload", key))
@@ -414,13 +420,15 @@ def upload_table(rows):
         out.append(f"| {label} | {bl.fmt(a)} | {bl.fmt(b)} | {added:+.2f} | "
                    f"{'met' if added <= limit else '**missed**'} (≤ {limit}) |")
     up = [r for r in rows if r["mode"] == "upload"]
-    out += ["", "| sink | requests in the window | encode ms/s | bytes per round | bytes per 1,000 samples | retries |",
-            "|---|---|---|---|---|---|"]
-    for sink in ("otlp", "parca"):
+    out += ["", "| sink | requests in the window | encode ms/s | bytes per round | bytes per 1,000 samples | "
+            "documents per round | retries |",
+            "|---|---|---|---|---|---|---|"]
+    for sink in ("otlp", "parca", "opensearch"):
         out.append(f"| {sink} | {bl.fmt(bl.med([r[sink + '_requests'] for r in up]))} | "
                    f"{bl.fmt(bl.med([r[sink + '_encode_ms_per_s'] for r in up]))} | "
                    f"{bl.fmt(bl.med([r[sink + '_bytes_per_round'] for r in up]))} | "
                    f"{bl.fmt(bl.med([r[sink + '_bytes_per_1000_samples'] for r in up]))} | "
+                   f"{bl.fmt(bl.med([r[sink + '_documents_per_round'] for r in up])) if sink == 'opensearch' else '–'} | "
                    f"{max((r[sink + '_retries'] for r in up), default=0):.0f} |")
     return "\n".join(out)
 

@@ -85,7 +85,10 @@ pub fn start_opensearch_standin(port: u16, out: &Path, extra: &[&str]) -> Proc {
         .args(["--port", &port.to_string(), "--out"])
         .arg(out)
         .args(extra);
-    started(Proc::spawn("opensearch-standin", cmd), "the OpenSearch stand-in")
+    started(
+        Proc::spawn("opensearch-standin", cmd),
+        "the OpenSearch stand-in",
+    )
 }
 
 /// What the OpenSearch stand-in holds now (`state.json`).

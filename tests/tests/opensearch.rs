@@ -24,7 +24,11 @@ fn sink_args(dir: &Path, port: u16, password: &str) -> Vec<String> {
     let pw = readable_file(dir, "os-password", &format!("{password}\n"));
     let mut a = strs(&["--opensearch-url"]);
     a.push(format!("http://127.0.0.1:{port}"));
-    a.extend(strs(&["--opensearch-username", "firn", "--opensearch-password-file"]));
+    a.extend(strs(&[
+        "--opensearch-username",
+        "firn",
+        "--opensearch-password-file",
+    ]));
     a.push(pw.display().to_string());
     // Quick retries: the tests wait for backends that come back.
     a.extend(strs(&["--upload-backoff-max", "2s"]));
@@ -36,8 +40,8 @@ fn local_rounds(out: &Path, pid: u32) -> BTreeMap<u64, u64> {
     let mut m = BTreeMap::new();
     for (_, e) in index_records(out) {
         if e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()) {
-            *m.entry(e["start_ns"].as_u64().unwrap() / 1_000_000).or_insert(0) +=
-                e["samples"].as_u64().unwrap();
+            *m.entry(e["start_ns"].as_u64().unwrap() / 1_000_000)
+                .or_insert(0) += e["samples"].as_u64().unwrap();
         }
     }
     m
@@ -69,8 +73,10 @@ fn remote_rounds(state: &Value, pid: u32) -> BTreeMap<u64, u64> {
 }
 
 fn upload_metric(f: &Firn, name: &str) -> f64 {
-    f.metric(&format!("firn_enricher_upload_{name}{{sink=\"opensearch\"}}"))
-        .unwrap_or(-1.0)
+    f.metric(&format!(
+        "firn_enricher_upload_{name}{{sink=\"opensearch\"}}"
+    ))
+    .unwrap_or(-1.0)
 }
 
 #[test]
@@ -83,7 +89,15 @@ fn documents_match_the_local_index() {
     let _standin = start_opensearch_standin(
         port,
         rx.path(),
-        &["--user", "firn", "--password", PASSWORD, "--mixed", "--bulk-429", "1"],
+        &[
+            "--user",
+            "firn",
+            "--password",
+            PASSWORD,
+            "--mixed",
+            "--bulk-429",
+            "1",
+        ],
     );
     let mut f = Firn::start_with("os", FAST, |dir| sink_args(dir, port, PASSWORD));
     let mut w = start_workload(&workload("busy"), &["5"]);
@@ -133,7 +147,10 @@ fn documents_match_the_local_index() {
     );
     assert_eq!(p["top_functions"][0]["function"], "hot_leaf", "{p}");
     let url = p["pprof_url"].as_str().unwrap();
-    let path = url.split_once(&f.http).map(|(_, p)| p).expect("a link to this enricher");
+    let path = url
+        .split_once(&f.http)
+        .map(|(_, p)| p)
+        .expect("a link to this enricher");
     let (status, body) = f.get(path);
     assert_eq!(status, 200, "{url}");
     assert_eq!(
@@ -215,11 +232,8 @@ fn down_then_back_loses_nothing_and_a_wrong_password_is_not_retried_in_a_loop() 
     assert_eq!(upload_metric(&f, "failing"), 1.0);
     // Back, but the enricher's password is wrong: refused once, then nothing is sent
     // until SIGHUP.
-    let mut standin = start_opensearch_standin(
-        port,
-        rx.path(),
-        &["--user", "firn", "--password", PASSWORD],
-    );
+    let mut standin =
+        start_opensearch_standin(port, rx.path(), &["--user", "firn", "--password", PASSWORD]);
     let enricher = f.enricher.as_ref().unwrap();
     assert!(
         enricher
@@ -281,7 +295,11 @@ fn dashboards_fit_the_template(template: &Value) {
     for o in &objects {
         for r in o["references"].as_array().unwrap() {
             let want = (r["type"].as_str().unwrap(), r["id"].as_str().unwrap());
-            assert!(ids.contains(&want), "{} refers to a missing {want:?}", o["id"]);
+            assert!(
+                ids.contains(&want),
+                "{} refers to a missing {want:?}",
+                o["id"]
+            );
         }
         let a = &o["attributes"];
         if let Some(vis) = a["visState"].as_str() {
