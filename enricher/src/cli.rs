@@ -281,7 +281,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// OpenSearch index names: lowercase, no `\\/*?"<>| ,#:`, not starting with `-_+`.
-fn index_prefix(s: &str) -> Result<String, String> {
+pub fn index_prefix(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.len() <= 200
         && !s.starts_with(['-', '_', '+'])

@@ -119,6 +119,17 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
             },
         )
     })?;
+    if let Some(p) = &file.opensearch_index_prefix {
+        cli::index_prefix(p).map_err(|m| {
+            invalid(
+                path,
+                format!(
+                    "opensearch_index_prefix: {m} (line {})",
+                    line_of(text, "opensearch_index_prefix").unwrap_or(0)
+                ),
+            )
+        })?;
+    }
     for (name, key) in [
         ("retention_size", &file.retention_size),
         ("min_free", &file.min_free),
@@ -258,6 +269,20 @@ mod tests {
         let mut args = Args::from_arg_matches(&m).unwrap();
         apply(&mut args, &m, &file);
         Ok(args)
+    }
+
+    #[test]
+    fn opensearch_keys_apply_and_bad_prefixes_are_named() {
+        let text = "opensearch_url: http://os:9200\nopensearch_username: firn\n\
+                    opensearch_index_prefix: prof\nopensearch_max_stacks: 10\n";
+        let a = args_with(text, &[]).unwrap();
+        assert_eq!(a.opensearch_url.as_deref(), Some("http://os:9200"));
+        assert_eq!(a.opensearch_username.as_deref(), Some("firn"));
+        assert_eq!(a.opensearch_index_prefix, "prof");
+        assert_eq!(a.opensearch_max_stacks, 10);
+        let e = args_with("opensearch_index_prefix: Bad/Name\n", &[])
+            .expect_err("an invalid prefix is refused");
+        assert!(e.to_string().contains("line 1"), "{e}");
     }
 
     #[test]

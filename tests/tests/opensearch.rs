@@ -99,7 +99,7 @@ fn documents_match_the_local_index() {
             "1",
         ],
     );
-    let mut f = Firn::start_with("os", FAST, |dir| sink_args(dir, port, PASSWORD));
+    let f = Firn::start_with("os", FAST, |dir| sink_args(dir, port, PASSWORD));
     let mut w = start_workload(&workload("busy"), &["5"]);
     let pid = w.pid();
     w.wait_exit(30 * SECS).expect("busy ends");
@@ -220,7 +220,7 @@ fn down_then_back_loses_nothing_and_a_wrong_password_is_not_retried_in_a_loop() 
     let rx = TempDir::new("os-down");
     let port = free_port();
     // Down at start: nothing listens.
-    let mut f = Firn::start_with("osdown", FAST, |dir| sink_args(dir, port, "wrong"));
+    let f = Firn::start_with("osdown", FAST, |dir| sink_args(dir, port, "wrong"));
     let mut w = start_workload(&workload("busy"), &["6"]);
     let pid = w.pid();
     w.wait_exit(30 * SECS).expect("busy ends");
