@@ -206,6 +206,7 @@ fn documents_match_the_local_index() {
         Some(1.0)
     );
     dashboards_fit_the_template(&state["templates"]["firn-profiles"]);
+    flame_graph_renders(&rx, &stacks);
     let lines = f.enricher.as_ref().unwrap().lines().join("\n");
     assert!(!lines.contains(PASSWORD), "the password reached the log");
     let (_, metrics) = f.get("/metrics");
@@ -324,4 +325,34 @@ fn dashboards_fit_the_template(template: &Value) {
     }
     assert!(ids.contains(&("index-pattern", "firn-profiles")));
     assert!(ids.iter().any(|(t, _)| *t == "dashboard"));
+}
+
+/// The Dashboards flame graph (Vega), rendered by Vega 5 itself in Node over the stack
+/// documents that arrived: the workload's call chain is drawn.
+fn flame_graph_renders(rx: &TempDir, stacks: &[Value]) {
+    let docs = rx.path().join("stacks.json");
+    std::fs::write(&docs, serde_json::to_vec(stacks).unwrap()).unwrap();
+    let svg = rx.path().join("flame.svg");
+    let out = std::process::Command::new("node")
+        .current_dir(repo_root().join("tests/receivers"))
+        .arg("vega_flame.mjs")
+        .arg(repo_root().join("packaging/opensearch/firn-dashboards.ndjson"))
+        .arg(&docs)
+        .arg(&svg)
+        .output()
+        .expect("node (tests/setup-tools.sh installs it and vega)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the Vega flame graph does not render: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(text.trim()).expect("vega_flame.mjs prints JSON");
+    assert_eq!(v["root_share"], 1.0, "{v}");
+    for want in ["hot_leaf", "middle", "outer", "main"] {
+        assert!(
+            v["svg_text"].as_array().unwrap().iter().any(|n| n == want),
+            "{want} not drawn in the flame graph: {v}"
+        );
+    }
 }
