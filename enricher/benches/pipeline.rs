@@ -212,6 +212,7 @@ fn bench(c: &mut Criterion) {
         let format = firn_enricher::upload::opensearch::Format {
             index_prefix: "firn-profiles".into(),
             max_stacks: 2_000,
+            max_bytes: 4 << 20,
             pprof_base: "http://127.0.0.1:7071".into(),
         };
         g.bench_function(BenchmarkId::new("upload_opensearch_encode", n), |b| {

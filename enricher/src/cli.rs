@@ -172,6 +172,11 @@ pub struct Args {
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
     pub opensearch_max_stacks: u32,
 
+    /// Bytes of one round's `_bulk` request past which no more stack documents are
+    /// added (the heaviest stacks go first; profile documents always go).
+    #[arg(long, env = "FIRN_OPENSEARCH_MAX_BYTES", default_value = "4MiB", value_parser = parse_bytes)]
+    pub opensearch_max_bytes: u64,
+
     /// Base of the pprof links in profile documents (the enricher's HTTP address as
     /// others reach it); default: http://<--http-address>.
     #[arg(long, env = "FIRN_OPENSEARCH_PPROF_BASE_URL")]

@@ -59,6 +59,7 @@ pub struct FileConfig {
     pub opensearch_ca_file: Option<PathBuf>,
     pub opensearch_index_prefix: Option<String>,
     pub opensearch_max_stacks: Option<u32>,
+    pub opensearch_max_bytes: Option<String>,
     pub opensearch_pprof_base_url: Option<String>,
     pub debuginfo_upload_concurrency: Option<u32>,
     pub debuginfo_upload_rate: Option<String>,
@@ -137,6 +138,7 @@ pub fn parse(text: &str, path: &Path) -> Result<(FileConfig, Labeling), ConfigEr
         ("debuginfo_upload_rate", &file.debuginfo_upload_rate),
         ("upload_spool_size", &file.upload_spool_size),
         ("upload_memory", &file.upload_memory),
+        ("opensearch_max_bytes", &file.opensearch_max_bytes),
     ] {
         if let Some(v) = key {
             cli::parse_bytes(v).map_err(|m| {
@@ -245,6 +247,7 @@ pub fn apply(args: &mut Args, m: &ArgMatches, file: &FileConfig) {
     take_opt!(opensearch_pprof_base_url);
     take!(opensearch_index_prefix);
     take!(opensearch_max_stacks);
+    take!(opensearch_max_bytes, cli::parse_bytes);
     take!(otlp_headers);
     take!(otlp_compression);
     take!(parca_insecure);

@@ -131,7 +131,7 @@ metrics! {
     upload_token_reload_errors: "bearer token files that could not be read again on SIGHUP (the previous token stays)",
     opensearch_auth_failures: "answers of OpenSearch refusing firn's credentials (401/403; nothing more is sent until SIGHUP)",
     opensearch_template_installs: "index templates installed in OpenSearch (at start, when absent)",
-    opensearch_stacks_left_out: "distinct stacks past --opensearch-max-stacks in a round (counted in their profile documents only)",
+    opensearch_stacks_left_out: "distinct stacks past --opensearch-max-stacks or --opensearch-max-bytes in a round (counted in their profile documents only)",
 }
 
 impl Metrics {

@@ -343,28 +343,31 @@ def free_port():
 
 
 def upload_run(hz, mode, exe, rnd, warm=60, window=60):
-    """The enricher's cost with the local sink alone ('local') or with OTLP and Parca
-    uploads on ('upload'), busy.c on every CPU."""
+    """The enricher's cost with the local sink alone ('local') or with OTLP, Parca and
+    OpenSearch uploads on ('upload'), busy.c on every CPU."""
     log(f"upload: {mode} at {hz} Hz …")
     life = warm + window + 3 * rnd + 30
     w, _ = start_workload(exe, life)
     receivers, extra = [], []
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"firn-bench-upload-{os.getpid()}"
     tmp.mkdir(exist_ok=True)
+    # The receivers run in both modes: the enricher profiles them too (python3, node:
+    # big binaries whose unwind tables and symbols cost it CPU and memory), so only the
+    # sending differs between the modes.
+    op, pp, osp = free_port(), free_port(), free_port()
+    rx = ROOT / "tests" / "receivers"
+    receivers = [
+        subprocess.Popen([str(ROOT / "target/test-venv/bin/python"), str(rx / "otlp_receiver.py"),
+                          "--port", str(op), "--out", str(tmp / "otlp.jsonl")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        subprocess.Popen(["node", "--import", "./resolve-js.mjs", "parca_receiver.mjs",
+                          "--port", str(pp), "--out", str(tmp / "parca.jsonl")], cwd=rx,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+        # The OpenSearch stand-in (no OpenSearch server runs here).
+        subprocess.Popen(["python3", str(rx / "opensearch_standin.py"), "--port", str(osp),
+                          "--out", str(tmp / "opensearch")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if mode == "upload":
-        op, pp, osp = free_port(), free_port(), free_port()
-        rx = ROOT / "tests" / "receivers"
-        receivers = [
-            subprocess.Popen([str(ROOT / "target/test-venv/bin/python"), str(rx / "otlp_receiver.py"),
-                              "--port", str(op), "--out", str(tmp / "otlp.jsonl")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            subprocess.Popen(["node", "--import", "./resolve-js.mjs", "parca_receiver.mjs",
-                              "--port", str(pp), "--out", str(tmp / "parca.jsonl")], cwd=rx,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-            # The OpenSearch stand-in (no OpenSearch server runs here).
-            subprocess.Popen(["python3", str(rx / "opensearch_standin.py"), "--port", str(osp),
-                              "--out", str(tmp / "opensearch")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         extra = ["--otlp-endpoint", f"http://127.0.0.1:{op}", "--parca-address", f"127.0.0.1:{pp}",
                  "--parca-insecure", "--opensearch-url", f"http://127.0.0.1:{osp}"]
     f = Firn(rnd)
@@ -580,8 +583,9 @@ def write_report(res, update):
         sections["bench-upload"] = (
             f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
             f"{p['round']} s at 99 Hz with `busy.c` on every CPU; {p['upload_pairs']} interleaved pair(s) "
-            "of runs, local sink alone vs local + OTLP + Parca (debuginfo on) to the test receivers on "
-            "loopback. Enricher CPU from schedstat over 60 s after 60 s; RSS at the end of the window; "
+            "of runs, local sink alone vs local + OTLP + Parca (debuginfo on) + OpenSearch to the test "
+            "receivers on loopback (the OpenSearch one a stand-in); the receivers run in both modes, so the "
+            "enricher profiles the same processes in each and only the sending differs. Enricher CPU from schedstat over 60 s after 60 s; RSS at the end of the window; "
             "peak = VmHWM over its life. Median (min–max).\n\n" + upload_table(res["upload"]))
     if "unwind" in res:
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "

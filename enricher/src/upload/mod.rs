@@ -176,6 +176,7 @@ impl Uploads {
             let format = opensearch::Format {
                 index_prefix: prefix,
                 max_stacks: args.opensearch_max_stacks as usize,
+                max_bytes: usize::try_from(args.opensearch_max_bytes).unwrap_or(usize::MAX),
                 pprof_base: opensearch::pprof_base(
                     args.opensearch_pprof_base_url.as_deref(),
                     args.http_address,

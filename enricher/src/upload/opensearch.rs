@@ -69,6 +69,8 @@ const MAX_FRAMES: usize = 128;
 pub struct Format {
     pub index_prefix: String,
     pub max_stacks: usize,
+    /// Bytes of a round's request past which no more stack documents are added.
+    pub max_bytes: usize,
     /// `http://host:port` of the enricher's HTTP server, for pprof links.
     pub pprof_base: String,
 }
@@ -107,7 +109,7 @@ fn labels_object(labels: &[(String, String)]) -> Value {
 pub struct Encoding {
     pub profiles: usize,
     pub stacks: usize,
-    /// Distinct stacks past `max_stacks`, counted in their profiles only.
+    /// Distinct stacks past `max_stacks` or `max_bytes`, counted in their profiles only.
     pub stacks_left_out: usize,
 }
 
@@ -190,9 +192,10 @@ pub fn encode(
         }
     }
     all_stacks.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.2.cmp(&b.2)));
-    enc.stacks_left_out = all_stacks.len().saturating_sub(f.max_stacks);
+    let distinct = all_stacks.len();
     all_stacks.truncate(f.max_stacks);
     let mut key = Vec::new();
+    let mut pair = Vec::new();
     for (count, g, frames) in all_stacks {
         let (profile_id, labels) = &profile_ids[g];
         key.clear();
@@ -216,9 +219,16 @@ pub fn encode(
             "cpu_ns": count.saturating_mul(period_ns),
         });
         add_labels_top(&mut doc, labels);
-        push_pair(&mut out, &index, &id, &doc);
+        pair.clear();
+        push_pair(&mut pair, &index, &id, &doc);
+        if out.len() + pair.len() > f.max_bytes {
+            // Heaviest first: what is left out is the lightest.
+            break;
+        }
+        out.extend_from_slice(&pair);
         enc.stacks += 1;
     }
+    enc.stacks_left_out = distinct - enc.stacks;
     Some((out, enc))
 }
 
@@ -379,7 +389,18 @@ pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String)
         return Err(bad("no query string, please: firn adds the paths it needs"));
     }
     let builder = hyper_rustls::HttpsConnectorBuilder::new();
+    let plain = uri.scheme_str() == Some("http");
     let builder = match ca_file {
+        // Plain HTTP: no roots to load (the system's set costs memory and start-up).
+        None if plain => builder.with_tls_config(
+            rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad(&e.to_string()))?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+        ),
         Some(path) => {
             use rustls_pki_types::pem::PemObject;
             let ca = |message: String| OpenSearchError::CaFile {
@@ -679,6 +700,89 @@ mod tests {
         assert!(o.first_error.unwrap().contains("mapper_parsing_exception"));
         assert!(read_bulk_answer(a, 3).is_err(), "item count must match");
         assert!(read_bulk_answer(b"<html>", 1).is_err());
+    }
+
+    fn stack(fns: &[&str], count: u64) -> crate::profile::StackSample {
+        use crate::profile::Frame;
+        let frames: Vec<Frame> = fns
+            .iter()
+            .map(|f| Frame::User {
+                mapping: None,
+                address: 1,
+                lines: Some(Arc::from(vec![crate::symbolize::Line {
+                    function: Arc::from(*f),
+                    file: Arc::from(""),
+                    line: 0,
+                }])),
+            })
+            .collect();
+        crate::profile::StackSample {
+            process_id: 1,
+            labels: Arc::new(vec![
+                ("comm".into(), "w".into()),
+                ("pid".into(), "7".into()),
+            ]),
+            frames: Arc::from(frames),
+            count,
+        }
+    }
+
+    /// Documents: one profile, one per distinct stack (leaf first), heaviest first, and
+    /// the stack and byte bounds leave out the lightest, counted.
+    #[test]
+    fn documents_and_their_bounds() {
+        let round = Round {
+            session_id: 1,
+            round: 3,
+            start_ns: 1_796_100_600_000_000_000,
+            end_ns: 1_796_100_610_000_000_000,
+            frequency_hz: 100,
+            stacks: vec![
+                stack(&["leaf", "mid", "main"], 5),
+                stack(&["leaf", "mid", "main"], 2),
+                stack(&["other", "main"], 1),
+                stack(&["third", "main"], 3),
+            ],
+        };
+        let groups = crate::encode::groups(&round, crate::encode::ProfileBy::Process);
+        let stems = crate::encode::file_stems(&groups);
+        let mut f = Format {
+            index_prefix: "p".into(),
+            max_stacks: 10,
+            max_bytes: 1 << 20,
+            pprof_base: "http://h:1".into(),
+        };
+        let (body, enc) = encode(&round, &groups, &stems, &f).unwrap();
+        assert_eq!((enc.profiles, enc.stacks, enc.stacks_left_out), (1, 3, 0));
+        let lines: Vec<Value> = pairs(&body)
+            .iter()
+            .map(|l| serde_json::from_slice(l).unwrap())
+            .collect();
+        assert_eq!(lines[0]["index"]["_index"], "p-2026.12.01");
+        let p = &lines[1];
+        assert_eq!(
+            (p["samples"].as_u64(), p["cpu_ns"].as_u64()),
+            (Some(11), Some(110_000_000))
+        );
+        assert_eq!(p["top_functions"][0]["function"], "leaf");
+        assert_eq!(
+            p["pprof_url"],
+            "http://h:1/rounds/20261201T045000Z-r000003/pid-7.pb.gz"
+        );
+        assert_eq!(lines[3]["frames"], json!(["leaf", "mid", "main"]));
+        assert_eq!(lines[3]["samples"], 7);
+        assert_eq!(lines[5]["leaf"], "third");
+        // The same round encodes to the same ids: a resend overwrites.
+        let (again, _) = encode(&round, &groups, &stems, &f).unwrap();
+        assert_eq!(again, body);
+        f.max_stacks = 2;
+        let (_, enc) = encode(&round, &groups, &stems, &f).unwrap();
+        assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
+        f.max_stacks = 10;
+        f.max_bytes = body.len() - 10;
+        let (small, enc) = encode(&round, &groups, &stems, &f).unwrap();
+        assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
+        assert!(small.len() <= f.max_bytes);
     }
 
     #[test]
