@@ -194,7 +194,7 @@ macro_rules! allow {
 impl Allowed {
     /// The syscall's name without the `SYS_` prefix.
     pub fn syscall(&self) -> &'static str {
-        self.name.trim_start_matches("SYS_")
+        syscall_name(self.name)
     }
 
     /// The restriction in words, as the README's table shows it.
@@ -351,8 +351,13 @@ macro_rules! setup {
 impl Setup {
     /// The syscall's name without the `SYS_` prefix.
     pub fn syscall(&self) -> &'static str {
-        self.name.trim_start_matches("SYS_")
+        syscall_name(self.name)
     }
+}
+
+/// `SYS_read` → `read`.
+fn syscall_name(constant: &'static str) -> &'static str {
+    constant.trim_start_matches("SYS_")
 }
 
 const LOADER: &str = "the runtime's exec and the dynamic loader mapping libc, libelf, zlib";
@@ -363,8 +368,8 @@ const SOCKET: &str = "the listening Unix socket, born with its mode and group";
 
 /// Every syscall of the sampler's life before its own filter is installed that
 /// [`ALLOWED`] does not already hold by name (setup's other `bpf` commands, `ioctl`s
-/// and executable mappings fall under those names) (`setup_syscalls_are_listed` in
-/// tests/tests/hardening.rs checks an strace of a real start against it).
+/// and executable mappings fall under those names). `allowed_syscalls_are_used` in
+/// tests/tests/hardening.rs checks an strace of a real start against it.
 macro_rules! setup_list {
     ($($arch_only:expr),*) => {
         &[

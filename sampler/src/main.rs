@@ -60,15 +60,28 @@ fn main() -> ExitCode {
 }
 
 /// Writes the container profile beside `path` and renames it into place, so that a
-/// runtime never reads half a file.
+/// runtime never reads half a file. Run as root into a node directory: the temporary
+/// file is created new, never through a link left at its name.
 fn install_profile(path: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, drop::container_profile())?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+    // A leftover (or a link planted there) goes; removing a link leaves its target.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    f.write_all(drop::container_profile().as_bytes())?;
+    f.sync_all()?;
     std::fs::rename(&tmp, path)
 }
 

@@ -45,6 +45,25 @@ pub fn index_records(out: &Path) -> Vec<(PathBuf, Value)> {
     v
 }
 
+/// (round start_ns → samples) of process `pid` in the local sink's index: what the
+/// upload tests compare each backend with.
+pub fn pid_rounds(out: &Path, pid: u32) -> std::collections::BTreeMap<u64, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for (_, e) in index_records(out) {
+        if e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()) {
+            if let (Some(t), Some(n)) = (e["start_ns"].as_u64(), e["samples"].as_u64()) {
+                *m.entry(t).or_insert(0) += n;
+            }
+        }
+    }
+    m
+}
+
+/// Owned command-line words.
+pub fn strs(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
 /// A minimal HTTP/1.1 GET on loopback: (status, body).
 pub fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
     use std::io::{Read, Write};

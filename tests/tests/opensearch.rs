@@ -15,10 +15,6 @@ const SECS: Duration = Duration::from_secs(1);
 const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
 const PASSWORD: &str = "pw-7c41e0";
 
-fn strs(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
-}
-
 /// Enricher flags for the stand-in at `port` with the password file under `dir`.
 fn sink_args(dir: &Path, port: u16, password: &str) -> Vec<String> {
     let pw = readable_file(dir, "os-password", &format!("{password}\n"));
@@ -37,14 +33,10 @@ fn sink_args(dir: &Path, port: u16, password: &str) -> Vec<String> {
 
 /// (round start in ms → samples) of `pid` in the local sink's index.
 fn local_rounds(out: &Path, pid: u32) -> BTreeMap<u64, u64> {
-    let mut m = BTreeMap::new();
-    for (_, e) in index_records(out) {
-        if e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()) {
-            *m.entry(e["start_ns"].as_u64().unwrap() / 1_000_000)
-                .or_insert(0) += e["samples"].as_u64().unwrap();
-        }
-    }
-    m
+    pid_rounds(out, pid)
+        .into_iter()
+        .map(|(t, n)| (t / 1_000_000, n))
+        .collect()
 }
 
 /// Documents of one type for `pid` in the stand-in.

@@ -14,22 +14,6 @@ use firn_tests::*;
 const FAST: &[&str] = &["--frequency", "99", "--round", "2"];
 const TOKEN: &str = "tok-5f1c9e";
 
-fn strs(v: &[&str]) -> Vec<String> {
-    v.iter().map(|s| s.to_string()).collect()
-}
-
-/// (round start_ns → samples) of `pid` in the local sink's index.
-fn local_rounds(out: &Path, pid: u32) -> HashMap<u64, u64> {
-    let mut m = HashMap::new();
-    for (_, e) in index_records(out) {
-        if e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()) {
-            *m.entry(e["start_ns"].as_u64().unwrap()).or_insert(0) +=
-                e["samples"].as_u64().unwrap();
-        }
-    }
-    m
-}
-
 /// OTLP profiles of `pid` of one sample type.
 fn otlp_profiles(out: &Path, pid: u32, ty: &str) -> Vec<Value> {
     received_kind(out, "profile")
@@ -137,7 +121,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
     assert!(f.wait_profiles(pid, 2, Duration::from_secs(15)).len() >= 2);
     // Every local round of the workload arrives at both receivers.
     let caught_up = wait_until(Duration::from_secs(30), || {
-        let local = local_rounds(&f.out, pid);
+        let local = pid_rounds(&f.out, pid);
         let otlp: HashSet<u64> = otlp_profiles(&otlp_out, pid, "samples")
             .iter()
             .map(|p| p["time_unix_nano"].as_u64().unwrap())
@@ -151,7 +135,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
     assert!(
         caught_up,
         "rounds missing upstream: local {:?}, OTLP {:?}, Parca {:?}, requests {:?}; enricher log:\n{lines:#?}",
-        local_rounds(&f.out, pid),
+        pid_rounds(&f.out, pid),
         otlp_profiles(&otlp_out, pid, "samples")
             .iter()
             .map(|p| (p["time_unix_nano"].clone(), p["total"].clone()))
@@ -165,7 +149,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
         assert_eq!(r["errors"], serde_json::json!([]), "{r}");
         assert_eq!(r["headers"]["x-firn-test"], "yes");
     }
-    let local = local_rounds(&f.out, pid);
+    let local = pid_rounds(&f.out, pid);
     let samples = otlp_profiles(&otlp_out, pid, "samples");
     let cpu = otlp_profiles(&otlp_out, pid, "cpu");
     let period = 1_000_000_000u64 / 99;
@@ -319,7 +303,7 @@ fn outages_restarts_and_refusals_lose_nothing() {
             .iter()
             .map(|p| p["time_unix_nano"].as_u64().unwrap())
             .collect();
-        let local = local_rounds(&f.out, pid);
+        let local = pid_rounds(&f.out, pid);
         !local.is_empty() && local.keys().all(|k| otlp.contains(k))
     };
     // Down at start: rounds wait.
@@ -388,7 +372,7 @@ fn outages_restarts_and_refusals_lose_nothing() {
     // Parca: the four failures only; every round but the refused one arrived.
     let failed = received_kind(&parca_out, "failed");
     assert_eq!(failed.len(), 4, "{failed:#?}");
-    let local = local_rounds(&f.out, pid);
+    let local = pid_rounds(&f.out, pid);
     let parca = parca_rounds(&parca_out, pid);
     let missing: Vec<&u64> = local.keys().filter(|k| !parca.contains_key(k)).collect();
     assert!(
@@ -471,7 +455,7 @@ fn a_full_spool_disk_is_counted_and_survived() {
     assert!(drained, "spooled requests not delivered");
     w.wait_exit(Duration::from_secs(40)).expect("busy ends");
     assert!(
-        !local_rounds(&f.out, w.pid()).is_empty(),
+        !pid_rounds(&f.out, w.pid()).is_empty(),
         "the local sink stopped"
     );
     assert!(!received_kind(&otlp_out, "profile").is_empty());

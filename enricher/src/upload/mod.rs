@@ -150,7 +150,7 @@ impl Uploads {
             up.parca_token = Some(token);
         }
         if let Some(url) = &args.opensearch_url {
-            let (client, base) = opensearch::client(url, args.opensearch_ca_file.as_deref())?;
+            let client = opensearch::client(url, args.opensearch_ca_file.as_deref())?;
             let credentials = opensearch::Credentials::new(
                 args.opensearch_username.clone(),
                 args.opensearch_password_file.clone(),
@@ -159,18 +159,13 @@ impl Uploads {
             let dir = spool_root.join("opensearch");
             let d = Delivery::new("opensearch", &dir, limits, m.clone());
             let prefix = args.opensearch_index_prefix.clone();
-            let template = serde_json::to_vec(&opensearch::template(&prefix)).unwrap_or_default();
-            let t = Rc::new(opensearch::OpenSearchTransport {
+            let t = opensearch::OpenSearchTransport::new(
                 client,
-                base,
-                template_name: prefix.clone(),
-                template: Arc::new(template),
-                credentials: credentials.clone(),
-                metrics: m,
-                global: metrics.clone(),
-                template_ok: std::cell::Cell::new(false),
-                refused_generation: std::cell::Cell::new(None),
-            });
+                &prefix,
+                credentials.clone(),
+                m,
+                metrics.clone(),
+            );
             tokio::task::spawn_local(d.clone().run(Rc::new(t)));
             tracing::info!(url = %url, index_prefix = %prefix, spool = %dir.display(), "sending profiles to OpenSearch");
             let format = opensearch::Format {

@@ -15,7 +15,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -390,17 +389,17 @@ pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String)
     }
     let builder = hyper_rustls::HttpsConnectorBuilder::new();
     let plain = uri.scheme_str() == Some("http");
+    let tls = |roots: rustls::RootCertStore| {
+        rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+    };
     let builder = match ca_file {
         // Plain HTTP: no roots to load (the system's set costs memory and start-up).
-        None if plain => builder.with_tls_config(
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| bad(&e.to_string()))?
-            .with_root_certificates(rustls::RootCertStore::empty())
-            .with_no_client_auth(),
-        ),
+        None if plain => builder
+            .with_tls_config(tls(rustls::RootCertStore::empty()).map_err(|e| bad(&e.to_string()))?),
         Some(path) => {
             use rustls_pki_types::pem::PemObject;
             let ca = |message: String| OpenSearchError::CaFile {
@@ -418,14 +417,7 @@ pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String)
             if roots.is_empty() {
                 return Err(ca("no certificate in the file".into()));
             }
-            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .map_err(|e| ca(e.to_string()))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-            builder.with_tls_config(cfg)
+            builder.with_tls_config(tls(roots).map_err(|e| ca(e.to_string()))?)
         }
         None => builder
             .with_provider_and_native_roots(rustls::crypto::ring::default_provider())
@@ -441,18 +433,19 @@ pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String)
 }
 
 pub struct OpenSearchTransport {
-    pub client: HttpsClient,
+    client: HttpsClient,
     /// The URL without a trailing slash.
-    pub base: String,
-    pub template_name: String,
-    pub template: Arc<Vec<u8>>,
-    pub credentials: Rc<Credentials>,
-    pub metrics: Arc<SinkMetrics>,
-    pub global: Arc<Metrics>,
-    pub template_ok: Cell<bool>,
+    base: String,
+    /// The index prefix, which names the template too.
+    prefix: String,
+    template: Bytes,
+    credentials: Rc<Credentials>,
+    metrics: Arc<SinkMetrics>,
+    global: Arc<Metrics>,
+    template_ok: Cell<bool>,
     /// The credentials generation OpenSearch refused (401/403): nothing is sent with it
     /// again, so a wrong password is not tried in a loop.
-    pub refused_generation: Cell<Option<u64>>,
+    refused_generation: Cell<Option<u64>>,
 }
 
 /// One `_bulk` answer, read item by item.
@@ -513,6 +506,27 @@ fn pairs(body: &[u8]) -> Vec<&[u8]> {
 }
 
 impl OpenSearchTransport {
+    /// `base` as [`client`] returns it.
+    pub fn new(
+        (client, base): (HttpsClient, String),
+        prefix: &str,
+        credentials: Rc<Credentials>,
+        metrics: Arc<SinkMetrics>,
+        global: Arc<Metrics>,
+    ) -> Rc<Self> {
+        Rc::new(Self {
+            client,
+            base,
+            prefix: prefix.to_string(),
+            template: Bytes::from(template(prefix).to_string()),
+            credentials,
+            metrics,
+            global,
+            template_ok: Cell::new(false),
+            refused_generation: Cell::new(None),
+        })
+    }
+
     async fn call(
         &self,
         method: Method,
@@ -576,7 +590,7 @@ impl OpenSearchTransport {
 
     /// Installs the index template unless OpenSearch has one of that name.
     async fn ensure_template(&self) -> Result<(), SendError> {
-        let path = format!("/_index_template/{}", self.template_name);
+        let path = format!("/_index_template/{}", self.prefix);
         let (status, body) = self
             .call(Method::GET, &path, "application/json", Bytes::new())
             .await?;
@@ -592,7 +606,7 @@ impl OpenSearchTransport {
                 Method::PUT,
                 &path,
                 "application/json",
-                Bytes::from(self.template.as_ref().clone()),
+                self.template.clone(),
             )
             .await?;
         if !status.is_success() {
@@ -602,7 +616,7 @@ impl OpenSearchTransport {
             return Err(SendError::Retry(e.to_string()));
         }
         Metrics::inc(&self.global.opensearch_template_installs);
-        tracing::info!(template = %self.template_name, "OpenSearch index template installed");
+        tracing::info!(template = %self.prefix, "OpenSearch index template installed");
         self.template_ok.set(true);
         Ok(())
     }
@@ -674,11 +688,7 @@ impl Transport for Rc<OpenSearchTransport> {
 pub fn pprof_base(explicit: Option<&str>, http: std::net::SocketAddr) -> String {
     match explicit {
         Some(b) => b.trim_end_matches('/').to_string(),
-        None => {
-            let mut s = String::new();
-            let _ = write!(s, "http://{http}");
-            s
-        }
+        None => format!("http://{http}"),
     }
 }
 
