@@ -21,6 +21,9 @@ fn main() {
             "src/bpf",
             "-O2",
             "-g",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
             &format!("-D__TARGET_ARCH_{arch}"),
         ])
         .build_and_generate(&out)

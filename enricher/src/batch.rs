@@ -102,13 +102,15 @@ fn bytes(d: capnp::data::Reader<'_>, what: &'static str) -> Result<String, Decod
 /// while walking frame pointers get none: they may well be whole.
 fn unwind_marker(e: Result<UnwindEnd, capnp::NotInSchema>) -> Option<&'static str> {
     match e {
+        Ok(UnwindEnd::NoProcess) => Some("[unwind stopped: process mappings not read yet]"),
         Ok(UnwindEnd::NoMapping) => {
             Some("[unwind stopped: code outside file mappings: JIT, anonymous or vDSO]")
         }
         Ok(UnwindEnd::Unsupported) => Some("[unwind stopped: unsupported CFA rule]"),
         Ok(UnwindEnd::ReadFault) => Some("[unwind stopped: stack memory unreadable]"),
         Ok(UnwindEnd::DepthLimit) => Some("[unwind stopped: 127-frame limit]"),
-        Ok(_) => None,
+        Ok(UnwindEnd::BadFrame) => Some("[unwind stopped: caller frame not code of the process]"),
+        Ok(UnwindEnd::Complete | UnwindEnd::NoTable | UnwindEnd::NotInTable) => None,
         Err(_) => Some("[unwind stopped: unknown reason]"),
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use firn_sampler::counters::Counters;
 use firn_sampler::handles::Handles;
 use firn_sampler::hub::Hub;
-use firn_sampler::server::{self, Identity, Shared};
+use firn_sampler::rpc::{self, Identity, Shared};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -45,7 +45,7 @@ fuzz_target!(|data: &[u8]| {
     local.block_on(&rt, async {
         let (mut client, server_end) = tokio::net::UnixStream::pair().expect("socketpair");
         let shared = shared();
-        let handler = tokio::task::spawn_local(server::handle(server_end, shared.clone()));
+        let handler = tokio::task::spawn_local(rpc::handle(server_end, shared.clone()));
         // The server may close early (that is the point of some inputs): write errors
         // are expected, not failures.
         let _ = client.write_all(data).await;

@@ -1,6 +1,6 @@
 //! The sampler's checks of unwind table chunks from a subscriber: arbitrary bytes as a
 //! chunk never panic, and whatever passes is sorted and in range (what the BPF unwinder
-//! is given). The row pool's allocator, driven by the same bytes, never hands out
+//! is given: whole-word offsets only). The row pool's allocator, driven by the same bytes, never hands out
 //! overlapping runs or more rows than it has.
 #![no_main]
 
@@ -21,6 +21,20 @@ fuzz_target!(|data: &[u8]| {
             .map(|c| Row::from_bytes(c.try_into().expect("8 bytes")))
             .collect();
         assert!(parsed.iter().all(Row::valid));
+        // What the unwinder's safety rests on, stated apart from `valid`: whole-word
+        // offsets, an rbp-based CFA near rbp, a saved rbp below the CFA.
+        use firn_schema::unwind_row as k;
+        for r in &parsed {
+            if r.cfa == k::CFA_RSP || r.cfa == k::CFA_RBP {
+                assert!(r.cfa_offset >= 8 && r.cfa_offset.is_multiple_of(8), "{r:?}");
+            }
+            if r.cfa == k::CFA_RBP {
+                assert!(r.cfa_offset <= k::MAX_RBP_CFA_OFFSET, "{r:?}");
+            }
+            if r.rbp == k::RBP_AT_CFA {
+                assert!(r.rbp_offset8 < 0, "{r:?}");
+            }
+        }
         assert!(parsed.windows(2).all(|w| w[0].pc < w[1].pc));
         assert!(prev.is_none_or(|p| parsed[0].pc > p));
         assert_eq!(parsed.last().map(|r| r.pc), Some(last));

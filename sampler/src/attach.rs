@@ -45,6 +45,8 @@ pub enum AttachError {
     },
     #[error("setting up the process event ring buffer ({kib} KiB): {source}")]
     Events { kib: u32, source: libbpf_rs::Error },
+    #[error("no randomness for the user-stack hash seed: {0}")]
+    Seed(std::io::Error),
     #[error("sizing the unwind row pool ({rows} rows): {source}")]
     Rows { rows: u32, source: libbpf_rs::Error },
     #[error("keeping the unwinder's map fds: {0}")]
@@ -145,6 +147,17 @@ impl Sampling {
     }
 }
 
+/// 8 random bytes from the kernel.
+fn random_seed() -> Result<u64, std::io::Error> {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != 8 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(u64::from_ne_bytes(b))
+}
+
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
 /// two, at least one page) and attaches it to every online CPU and to exec and exit.
 pub fn load_and_attach(
@@ -173,6 +186,11 @@ pub fn load_and_attach(
         .rows
         .set_max_entries(pool)
         .map_err(|source| AttachError::Rows { rows: pool, source })?;
+    // The user-stack hash's seed: unknown to any local user, so none can craft frames
+    // whose stack takes the key of another process's stack (read-only once loaded).
+    if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+        ro.hash_seed = random_seed().map_err(AttachError::Seed)?;
+    }
     let skel = open.load().map_err(AttachError::Load)?;
     // Duplicated now: the server writes these maps after confinement, apart from the
     // skeleton the round loop holds.

@@ -53,11 +53,14 @@ pub fn open_mapping(
         ProcError::Gone { .. } | ProcError::Reused { .. } => Refusal::ProcessGone,
         _ => Refusal::OpenFailed,
     })?;
-    reopen_read_only(&checked_handle(&open_root(&dir)?, m)?)
+    let mut steps = MAX_STEPS;
+    reopen_read_only(&checked_handle(&open_root(&dir)?, m, &mut steps)?)
 }
 
 /// Whether `m` names a file a walk could reach: an absolute path that the kernel did
-/// not mark deleted.
+/// not mark deleted, kept whole, and of a depth real binaries have. A cut or absurdly
+/// deep path is never walked: it cannot be the mapped file, and walking it would let
+/// any local user spend the sampler's time.
 pub fn walkable(m: &Mapping) -> Result<(), Refusal> {
     if m.path.ends_with(b" (deleted)") {
         return Err(Refusal::Deleted);
@@ -65,7 +68,15 @@ pub fn walkable(m: &Mapping) -> Result<(), Refusal> {
     if m.path.first() != Some(&b'/') {
         return Err(Refusal::NotRegularFile);
     }
+    if !shallow(m) {
+        return Err(Refusal::OpenFailed);
+    }
     Ok(())
+}
+
+/// Whether `m`'s path is whole and at most [`MAX_DEPTH`] components deep.
+pub fn shallow(m: &Mapping) -> bool {
+    !m.cut && components(&m.path).nth(MAX_DEPTH).is_none()
 }
 
 /// An `O_PATH` handle of the root directory of the process whose `/proc/<pid>`
@@ -81,9 +92,10 @@ pub fn open_root(proc_dir: &OwnedFd) -> Result<OwnedFd, Refusal> {
 }
 
 /// An `O_PATH` handle of `m`'s path resolved inside `root`, once it is a regular file
-/// with the mapping's device and inode.
-pub fn checked_handle(root: &OwnedFd, m: &Mapping) -> Result<OwnedFd, Refusal> {
-    let handle = resolve_in_root(root, &m.path)?;
+/// with the mapping's device and inode. `steps` is the walk's budget of path
+/// components (symlink targets included), spent as they are walked.
+pub fn checked_handle(root: &OwnedFd, m: &Mapping, steps: &mut u32) -> Result<OwnedFd, Refusal> {
+    let handle = resolve_in_root(root, &m.path, steps)?;
     let st = fstat(handle.as_fd()).map_err(|_| Refusal::OpenFailed)?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
         return Err(Refusal::NotRegularFile);
@@ -116,8 +128,11 @@ pub fn reopen_read_only(handle: &OwnedFd) -> Result<OwnedFd, Refusal> {
 
 /// Symlinks followed at most while resolving one path (the kernel's MAXSYMLINKS).
 const MAX_LINKS: u32 = 40;
-/// Components walked at most, symlink expansions included.
-const MAX_STEPS: u32 = 4096;
+/// Components walked at most for one path, symlink expansions included.
+pub const MAX_STEPS: u32 = 256;
+/// Components of a mapped path at most: deeper paths are not walked at all (real
+/// binaries sit a few to a few tens of directories deep).
+pub const MAX_DEPTH: usize = 128;
 
 fn open_err(e: nix::errno::Errno) -> Refusal {
     match e {
@@ -128,16 +143,18 @@ fn open_err(e: nix::errno::Errno) -> Refusal {
 
 /// Resolves `path` as if `root` were `/`, following symlinks within it, to an `O_PATH`
 /// handle of its last component (never a symlink). Nothing on the way is opened for I/O.
-pub fn resolve_in_root(root: &OwnedFd, path: &[u8]) -> Result<OwnedFd, Refusal> {
+/// Each component walked spends one of `budget`; at most [`MAX_STEPS`] are spent.
+pub fn resolve_in_root(root: &OwnedFd, path: &[u8], budget: &mut u32) -> Result<OwnedFd, Refusal> {
     // Directories walked so far; empty means "at root". `..` pops, never past root.
     let mut dirs: Vec<OwnedFd> = Vec::new();
     let mut pending: std::collections::VecDeque<Vec<u8>> = components(path).collect();
     let (mut links, mut steps) = (0u32, 0u32);
     while let Some(comp) = pending.pop_front() {
         steps += 1;
-        if steps > MAX_STEPS {
+        if steps > MAX_STEPS || *budget == 0 {
             return Err(Refusal::OpenFailed);
         }
+        *budget -= 1;
         if comp == b".." {
             dirs.pop();
             continue;
@@ -223,6 +240,10 @@ mod tests {
         fstat(fd.as_fd()).unwrap().st_ino
     }
 
+    fn steps() -> u32 {
+        MAX_STEPS
+    }
+
     #[test]
     fn symlinks_resolve_inside_the_root() {
         let base = std::env::temp_dir().join(format!("firn-broker-{}", std::process::id()));
@@ -241,35 +262,35 @@ mod tests {
         let real = std::fs::metadata(root.join("lib/real.so")).unwrap();
         use std::os::unix::fs::MetadataExt;
         assert_eq!(
-            ino(&resolve_in_root(&r, b"/lib/real.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/lib/real.so", &mut steps()).unwrap()),
             real.ino()
         );
         assert_eq!(
-            ino(&resolve_in_root(&r, b"/lib/abs.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/lib/abs.so", &mut steps()).unwrap()),
             real.ino()
         );
         assert_eq!(
-            ino(&resolve_in_root(&r, b"/lib/sub/up.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/lib/sub/up.so", &mut steps()).unwrap()),
             real.ino()
         );
         assert_eq!(
-            ino(&resolve_in_root(&r, b"/../../lib/./real.so").unwrap()),
+            ino(&resolve_in_root(&r, b"/../../lib/./real.so", &mut steps()).unwrap()),
             real.ino()
         );
         assert!(matches!(
-            resolve_in_root(&r, b"/lib/host.so"),
+            resolve_in_root(&r, b"/lib/host.so", &mut steps()),
             Err(Refusal::Deleted)
         ));
         assert!(matches!(
-            resolve_in_root(&r, b"/lib/loop"),
+            resolve_in_root(&r, b"/lib/loop", &mut steps()),
             Err(Refusal::OpenFailed)
         ));
         assert!(matches!(
-            resolve_in_root(&r, b"/"),
+            resolve_in_root(&r, b"/", &mut steps()),
             Err(Refusal::NotRegularFile)
         ));
         assert!(matches!(
-            resolve_in_root(&r, b"/lib/real.so/x"),
+            resolve_in_root(&r, b"/lib/real.so/x", &mut steps()),
             Err(Refusal::Deleted)
         ));
         std::fs::remove_dir_all(&base).unwrap();
@@ -290,6 +311,7 @@ mod tests {
                 dev_minor: libc::minor(dev),
                 inode: ino,
                 path: path.as_os_str().as_bytes().to_vec(),
+                cut: false,
             }],
             complete: true,
             ..Default::default()
@@ -367,7 +389,7 @@ mod tests {
         std::fs::write(&file, b"checked").unwrap();
         let ino_before = std::fs::metadata(&file).unwrap().ino();
         let r = root_of(std::path::Path::new("/"));
-        let handle = resolve_in_root(&r, file.as_os_str().as_bytes()).unwrap();
+        let handle = resolve_in_root(&r, file.as_os_str().as_bytes(), &mut steps()).unwrap();
         // The race a hostile process would win: the name now leads to a FIFO.
         let fifo = base.join("fifo");
         nix::unistd::mkfifo(&fifo, Mode::from_bits_truncate(0o600)).unwrap();

@@ -1,18 +1,23 @@
 //! `O_PATH` handles of the files recently seen mapped, so that the broker can still open
 //! a binary after its process exited (a short-lived process is gone long before the
-//! enricher asks). A handle is taken when a process record is read, through the same
-//! checked walk the broker uses (inside the process's root, regular file, the mapping's
-//! device and inode), one per distinct file. It opens nothing and reads nothing; the
-//! broker reopens it read-only only when a subscriber asks for a mapping with exactly
-//! that device and inode.
+//! enricher asks). A handle is taken through the same checked walk the broker uses
+//! (inside the process's root, regular file, the mapping's device and inode), one per
+//! distinct file. It opens nothing and reads nothing; the broker reopens it read-only
+//! only when a subscriber asks for a mapping with exactly that device and inode.
 //!
-//! Bounded: at most `max` handles (the oldest goes first, counted) and each is closed
-//! once no record has referred to it and no broker request has used it for
-//! [`IDLE_ROUNDS`] rounds; at most [`WALKS_PER_ROUND`] new files are walked to per
-//! round. A handle pins its inode (a deleted binary's blocks stay
+//! Off the discovery path: reading a new process's record only queues its files
+//! ([`Handles::queue`]); the walks run once the burst of new processes has been read
+//! ([`Handles::take_queued`]), so the time to read a process never depends on the files
+//! other processes map.
+//!
+//! Bounded: at most `max` handles (the oldest goes first, counted), each closed once no
+//! record has referred to it for [`IDLE_ROUNDS`] rounds; at most [`STEPS_PER_ROUND`]
+//! path components walked per round, [`MAX_QUEUED`] records waiting; a cut or absurdly
+//! deep path is never walked, and a file whose walk failed is not walked again for
+//! [`FAILED_ROUNDS`] rounds. A handle pins its inode (a deleted binary's blocks stay
 //! allocated) and its mount (an unmount without MNT_DETACH gets EBUSY) until then.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 
 use firn_schema::firn_capnp::Refusal;
@@ -25,9 +30,15 @@ use crate::procfs::Mapping;
 pub const IDLE_ROUNDS: u64 = 3;
 /// Handles held at most by default (each is one fd); lowered to fit RLIMIT_NOFILE.
 pub const MAX_HANDLES: usize = 4096;
-/// Path walks to take new handles per round at most (each is one `openat` and `fstat`
-/// per path component, symlinks included).
-pub const WALKS_PER_ROUND: u32 = 2048;
+/// Path components walked per round at most, over all walks (each is one `openat` and
+/// one `fstat`, a few microseconds): a few tens of milliseconds of the sampler a round.
+pub const STEPS_PER_ROUND: u32 = 16_384;
+/// Records whose files wait to be walked at most; past it the oldest wait is dropped.
+pub const MAX_QUEUED: usize = 1024;
+/// Rounds a file whose walk failed is left alone (the same path fails the same way).
+pub const FAILED_ROUNDS: u64 = 6;
+/// Failed files remembered at most.
+const MAX_FAILED: usize = 8192;
 /// File descriptors left for everything else (clients, /proc reads, BPF).
 pub const RESERVED_FDS: usize = 512;
 
@@ -47,8 +58,12 @@ pub struct Handles {
     by_file: HashMap<FileId, Held>,
     max: usize,
     round: u64,
-    /// Path walks still allowed this round.
-    walks_left: u32,
+    /// Path components still to be walked this round.
+    steps_left: u32,
+    /// `/proc/<pid>` directories and the files they map, waiting for their walks.
+    queue: VecDeque<(OwnedFd, Vec<Mapping>)>,
+    /// Files whose walk failed, and the round it did.
+    failed: HashMap<FileId, u64>,
 }
 
 impl Handles {
@@ -59,7 +74,9 @@ impl Handles {
             by_file: HashMap::new(),
             max,
             round: 0,
-            walks_left: WALKS_PER_ROUND,
+            steps_left: STEPS_PER_ROUND,
+            queue: VecDeque::new(),
+            failed: HashMap::new(),
         }
     }
 
@@ -69,6 +86,40 @@ impl Handles {
 
     pub fn is_empty(&self) -> bool {
         self.by_file.is_empty()
+    }
+
+    /// Notes the files of a record just read: those held are marked used, the others
+    /// wait for [`take_queued`](Self::take_queued). `proc_dir` is the process's
+    /// `/proc/<pid>` directory, kept open until then.
+    pub fn queue(&mut self, proc_dir: OwnedFd, mappings: &[Mapping], c: &Counters) {
+        if self.max == 0 {
+            return;
+        }
+        let mut wanted = Vec::new();
+        for m in mappings {
+            match self.by_file.get_mut(&file_id(m)) {
+                Some(h) => h.used = self.round,
+                None if !wanted.iter().any(|w: &Mapping| file_id(w) == file_id(m)) => {
+                    wanted.push(m.clone())
+                }
+                None => {}
+            }
+        }
+        if wanted.is_empty() {
+            return;
+        }
+        if self.queue.len() >= MAX_QUEUED {
+            self.queue.pop_front();
+            bump(&c.binary_handles_skipped);
+        }
+        self.queue.push_back((proc_dir, wanted));
+    }
+
+    /// Walks to the files queued, oldest record first, within the round's budget.
+    pub fn take_queued(&mut self, c: &Counters) {
+        while let Some((dir, maps)) = self.queue.pop_front() {
+            self.take(&dir, &maps, c);
+        }
     }
 
     /// Takes a handle of each mapping not yet held, resolving it inside the root of the
@@ -85,17 +136,29 @@ impl Handles {
                 h.used = self.round;
                 continue;
             }
-            if crate::broker::walkable(m).is_err() {
+            match crate::broker::walkable(m) {
+                Ok(()) => {}
+                Err(Refusal::OpenFailed) => {
+                    bump(&c.binary_handles_unwalkable);
+                    continue;
+                }
+                Err(_) => continue,
+            }
+            if self
+                .failed
+                .get(&id)
+                .is_some_and(|&at| self.round.saturating_sub(at) < FAILED_ROUNDS)
+            {
+                bump(&c.binary_handles_failed_recently);
                 continue;
             }
-            if self.walks_left == 0 {
-                // A process can map many files behind long symlink chains; the walks it
-                // can cause per round are bounded. Its binaries are still reached by
-                // the broker's walk while it lives.
+            if self.steps_left == 0 {
+                // A process can map many files behind long symlink chains; what it
+                // can make the sampler walk per round is bounded. Its binaries are
+                // still reached by the broker's walk while it lives.
                 bump(&c.binary_handles_skipped);
                 continue;
             }
-            self.walks_left -= 1;
             if root.is_none() {
                 match crate::broker::open_root(proc_dir) {
                     Ok(r) => root = Some(r),
@@ -106,7 +169,7 @@ impl Handles {
                 }
             }
             let Some(root) = root.as_ref() else { return };
-            match crate::broker::checked_handle(root, m) {
+            match crate::broker::checked_handle(root, m, &mut self.steps_left) {
                 Ok(fd) => {
                     if self.by_file.len() >= self.max {
                         self.evict_oldest(c);
@@ -120,7 +183,20 @@ impl Handles {
                     );
                     bump(&c.binary_handles_taken);
                 }
-                Err(_) => bump(&c.binary_handles_failed),
+                // The budget ran out on the way: not the file's fault.
+                Err(_) if self.steps_left == 0 => bump(&c.binary_handles_skipped),
+                Err(_) => {
+                    bump(&c.binary_handles_failed);
+                    if self.failed.len() >= MAX_FAILED {
+                        let round = self.round;
+                        self.failed
+                            .retain(|_, &mut at| round.saturating_sub(at) < FAILED_ROUNDS);
+                        if self.failed.len() >= MAX_FAILED {
+                            self.failed.clear();
+                        }
+                    }
+                    self.failed.insert(id, self.round);
+                }
             }
         }
     }
@@ -137,7 +213,7 @@ impl Handles {
     /// round's walks are available again.
     pub fn end_round(&mut self, round: u64, c: &Counters) {
         self.round = round;
-        self.walks_left = WALKS_PER_ROUND;
+        self.steps_left = STEPS_PER_ROUND;
         let before = self.by_file.len();
         self.by_file
             .retain(|_, h| round.saturating_sub(h.used) < IDLE_ROUNDS);
@@ -145,6 +221,8 @@ impl Handles {
             &c.binary_handles_expired,
             (before - self.by_file.len()) as u64,
         );
+        self.failed
+            .retain(|_, &mut at| round.saturating_sub(at) < FAILED_ROUNDS);
     }
 
     fn evict_oldest(&mut self, c: &Counters) {
@@ -195,6 +273,7 @@ mod tests {
             dev_minor: libc::minor(st.st_dev),
             inode: st.st_ino,
             path: path.as_os_str().as_encoded_bytes().to_vec(),
+            cut: false,
         }
     }
 
@@ -270,6 +349,48 @@ mod tests {
     }
 
     #[test]
+    fn cut_deep_and_failed_paths_are_not_walked_again() {
+        let c = Counters::default();
+        let dir = std::env::temp_dir().join(format!("firn-handles-d-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("bin");
+        std::fs::write(&f, b"x").unwrap();
+        let mut h = Handles::new(8);
+        let mut cut = mapping_of(&f);
+        cut.cut = true;
+        let mut deep = mapping_of(&f);
+        deep.path = b"/d".repeat(crate::broker::MAX_DEPTH + 1);
+        h.take(&own_proc(), &[cut, deep], &c);
+        assert_eq!(c.binary_handles_unwalkable.get(), 2);
+        assert_eq!(h.steps_left, STEPS_PER_ROUND, "nothing was walked");
+        // A path that does not lead to the file fails once, then is left alone.
+        let mut wrong = mapping_of(&f);
+        wrong.path = dir.join("missing").as_os_str().as_encoded_bytes().to_vec();
+        h.take(&own_proc(), std::slice::from_ref(&wrong), &c);
+        let spent = STEPS_PER_ROUND - h.steps_left;
+        h.take(&own_proc(), std::slice::from_ref(&wrong), &c);
+        assert_eq!(c.binary_handles_failed.get(), 1);
+        assert_eq!(c.binary_handles_failed_recently.get(), 1);
+        assert_eq!(STEPS_PER_ROUND - h.steps_left, spent);
+        h.end_round(FAILED_ROUNDS, &c);
+        h.take(&own_proc(), std::slice::from_ref(&wrong), &c);
+        assert_eq!(
+            c.binary_handles_failed.get(),
+            2,
+            "walked again after a while"
+        );
+        // Queued walks wait for take_queued.
+        let other = dir.join("other");
+        std::fs::write(&other, b"y").unwrap();
+        let good = mapping_of(&other);
+        h.queue(own_proc(), std::slice::from_ref(&good), &c);
+        assert!(h.is_empty());
+        h.take_queued(&c);
+        assert_eq!(h.len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn walks_per_round_are_bounded() {
         let c = Counters::default();
         let dir = std::env::temp_dir().join(format!("firn-handles-w-{}", std::process::id()));
@@ -283,7 +404,12 @@ mod tests {
             })
             .collect();
         let mut h = Handles::new(8);
-        h.walks_left = 1;
+        // Enough for the first path's components only.
+        h.steps_left = maps[0]
+            .path
+            .split(|&b| b == b'/')
+            .filter(|c| !c.is_empty())
+            .count() as u32;
         h.take(&own_proc(), &maps, &c);
         assert_eq!((h.len(), c.binary_handles_skipped.get()), (1, 1));
         // The next round walks again.

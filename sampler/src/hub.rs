@@ -9,10 +9,10 @@ use std::rc::Rc;
 
 use tokio::sync::Notify;
 
+use crate::assemble::{Issued, RoundData};
 use crate::broker::{BROKER_BURST, BROKER_RATE};
 use crate::counters::{add, bump, Counters};
 use crate::procfs::ProcessRecord;
-use crate::round::{Issued, RoundData};
 use firn_logs::TokenBucket;
 
 /// Process record bytes one batch carries at most (as estimated by
@@ -273,6 +273,7 @@ mod tests {
                     dev_minor: 1,
                     inode: id,
                     path: vec![b'p'; path_bytes],
+                    cut: false,
                 }],
                 complete: true,
                 ..Default::default()

@@ -1,13 +1,13 @@
 //! firn-sampler as a library: the binary (`src/main.rs`) runs it; the fuzz targets
 //! drive the connection handling directly.
 
+pub mod assemble;
 pub mod attach;
 pub mod broker;
 pub mod cli;
 pub mod counters;
 pub mod drain;
 pub mod drop;
-pub mod encode;
 pub mod events;
 pub mod handles;
 pub mod hub;
@@ -18,9 +18,9 @@ pub mod preflight;
 pub mod probe;
 pub mod processes;
 pub mod procfs;
-pub mod round;
 pub mod rounds;
-pub mod serve;
-pub mod server;
+pub mod rpc;
+pub mod run;
 pub mod trim;
 pub mod unwind;
+pub mod wire;

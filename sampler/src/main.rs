@@ -2,7 +2,7 @@
 
 #[cfg(feature = "forbidden-probe")]
 use firn_sampler::probe;
-use firn_sampler::{attach, cli, drain, drop, handles, hub, listen, preflight, serve, trim};
+use firn_sampler::{attach, cli, drain, drop, handles, hub, listen, preflight, run, trim};
 use std::cell::Cell;
 use std::process::ExitCode;
 use std::rc::Rc;
@@ -16,7 +16,7 @@ use firn_sampler::counters::Counters;
 use firn_sampler::kallsyms::Kallsyms;
 use firn_sampler::processes::ProcessTable;
 use firn_sampler::rounds::Rounds;
-use firn_sampler::server::{Identity, Shared};
+use firn_sampler::rpc::{Identity, Shared};
 
 fn main() -> ExitCode {
     let args = cli::Args::parse();
@@ -233,8 +233,8 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     );
     let local = tokio::task::LocalSet::new();
     let ended = local.block_on(&rt, async {
-        tokio::task::spawn_local(serve::accept_loop(listener, shared.clone(), allow));
-        serve::run_rounds(
+        tokio::task::spawn_local(run::accept_loop(listener, shared.clone(), allow));
+        run::run_rounds(
             Duration::from_secs(u64::from(args.round)),
             shared,
             &mut sampling,

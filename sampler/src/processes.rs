@@ -72,6 +72,7 @@ impl Known {
 
 fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
     let mut r: Vec<_> = rec.mappings.iter().map(|m| (m.start, m.end)).collect();
+    r.extend_from_slice(&rec.code);
     r.sort_unstable();
     r
 }
@@ -103,7 +104,7 @@ impl Default for ProcessTable {
 }
 
 /// The record read from /proc, trimmed to its bound, or a placeholder of BPF facts.
-/// Handles of its mapped files are taken while the process can still be reached.
+/// Its mapped files are queued for handles ([`ProcessTable::take_handles`]).
 fn read_record(
     key: ProcKey,
     comm: &[u8],
@@ -130,12 +131,7 @@ fn read_record(
                     "process record over its byte bound; mappings past it left out"
                 );
             }
-            let t0 = std::time::Instant::now();
-            handles.borrow_mut().take(&dir, &r.mappings, counters);
-            add(
-                &counters.binary_handle_ns,
-                u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
-            );
+            handles.borrow_mut().queue(dir, &r.mappings, counters);
             (r, read)
         }
         Err(e) => {
@@ -228,6 +224,18 @@ impl ProcessTable {
         self.insert(key, comm, exe_ino, round, counters);
     }
 
+    /// Takes the handles of the files that records read since the last call map: after
+    /// a burst of new processes has been read, so that no read waits for another
+    /// process's walks.
+    pub fn take_handles(&mut self, counters: &Counters) {
+        let t0 = std::time::Instant::now();
+        self.handles.borrow_mut().take_queued(counters);
+        add(
+            &counters.binary_handle_ns,
+            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+    }
+
     /// A process the BPF program saw exec or exit while round `round` was in progress.
     pub fn ended(&mut self, key: ProcKey, how: Ending, round: u64) {
         if let Some(k) = self.by_key.get_mut(&key) {
@@ -239,12 +247,15 @@ impl ProcessTable {
 
     /// Identifies the process of a sample, reading /proc the first time it is seen (or,
     /// once the round's read budget is spent, in a later round).
-    /// `comm` is the BPF-seen thread comm, used when /proc cannot be read.
+    /// `comm` is the BPF-seen thread comm, used when /proc cannot be read. `left_code`:
+    /// the unwinder stopped at a return address outside the mappings it was given
+    /// (code mapped since, or a wrong table); like a frame outside them, it has the
+    /// mappings read again, with backoff.
     pub fn observe(
         &mut self,
         key: ProcKey,
         comm: &[u8],
-        user: &[u64],
+        (user, left_code): (&[u64], bool),
         round: u64,
         counters: &Counters,
     ) -> u64 {
@@ -265,12 +276,11 @@ impl ProcessTable {
                 self.fresh.push((key, k.record.clone()));
             } else if k.record.complete
                 && round >= k.next_refresh
-                && user.iter().any(|&a| !k.covers(a))
+                && (left_code || user.iter().any(|&a| !k.covers(a)))
             {
                 let before = k.record.wire_bytes();
-                let version = k.version;
-                let read = refresh(k, round, &self.handles, counters, self.read_left);
-                if k.version != version {
+                let (read, changed) = refresh(k, round, &self.handles, counters, self.read_left);
+                if changed {
                     self.fresh.push((key, k.record.clone()));
                 }
                 self.read_left = self.read_left.saturating_sub(read);
@@ -412,34 +422,40 @@ impl ProcessTable {
     }
 }
 
-/// Reads the mappings of `k` again if the budget allows; returns the bytes read.
-/// Libraries loaded since (dlopen) get handles too, so they are brokered after exit.
+/// Reads the mappings of `k` again if the budget allows; returns the bytes read and
+/// whether they changed. Libraries loaded since (dlopen) get handles too, so they are
+/// brokered after exit.
 fn refresh(
     k: &mut Known,
     round: u64,
     handles: &RefCell<Handles>,
     counters: &Counters,
     budget: usize,
-) -> usize {
+) -> (usize, bool) {
     if budget == 0 {
         // Tried again next round, without backing off.
-        return 0;
+        return (0, false);
     }
     bump(&counters.mapping_refreshes);
-    let mut read = 0;
+    let (mut read, mut changed) = (0, false);
     match procfs::read_mappings(k.record.pid, k.start_ns) {
-        Ok((maps, n, dir)) if maps != k.record.mappings => {
+        Ok(((maps, code), n, dir)) if maps != k.record.mappings || code != k.record.code => {
             read = n;
-            handles.borrow_mut().take(&dir, &maps, counters);
+            handles.borrow_mut().queue(dir, &maps, counters);
             let mut rec = (*k.record).clone();
+            // Only file mappings are sent: a new version for those alone.
+            if maps != rec.mappings {
+                k.version += 1;
+            }
             rec.mappings = maps;
+            rec.code = code;
             if rec.trim_to(procfs::MAX_RECORD_BYTES) {
                 bump(&counters.process_records_trimmed);
             }
             k.ranges = ranges_of(&rec);
             k.record = Rc::new(rec);
-            k.version += 1;
             k.backoff = 1;
+            changed = true;
         }
         Ok((_, n, _)) => {
             read = n;
@@ -448,7 +464,7 @@ fn refresh(
         Err(_) => k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF),
     }
     k.next_refresh = round + k.backoff;
-    read
+    (read, changed)
 }
 
 #[cfg(test)]
@@ -482,8 +498,8 @@ mod tests {
                 exec_id: 0,
             })
             .collect();
-        let a = t.observe(keys[0], b"sleep", &[], 1, &c);
-        let b = t.observe(keys[1], b"sleep", &[], 1, &c);
+        let a = t.observe(keys[0], b"sleep", (&[], false), 1, &c);
+        let b = t.observe(keys[1], b"sleep", (&[], false), 1, &c);
         assert!(t.get(keys[0]).unwrap().record.complete);
         let deferred = t.get(keys[1]).unwrap();
         assert!(!deferred.record.complete);
@@ -491,7 +507,7 @@ mod tests {
         assert_eq!(c.process_reads_deferred.get(), 1);
         // The next round reads it: same id, a new version for subscribers.
         t.begin_round(2, &c);
-        assert_eq!(t.observe(keys[1], b"sleep", &[], 2, &c), b);
+        assert_eq!(t.observe(keys[1], b"sleep", (&[], false), 2, &c), b);
         let read = t.get(keys[1]).unwrap();
         assert!(read.record.complete);
         assert_eq!(read.version, 2);
@@ -509,7 +525,7 @@ mod tests {
         // Room for about one placeholder record: each new process pushes out the oldest.
         let mut t = ProcessTable::with_budgets(0, 200);
         for (round, pid) in (1..=5u64).zip(u32::MAX - 5..) {
-            t.observe(key(pid, 0), b"gone", &[], round, &c);
+            t.observe(key(pid, 0), b"gone", (&[], false), round, &c);
         }
         assert_eq!(t.len(), 1);
         assert!(t.get(key(u32::MAX - 1, 0)).is_some(), "the newest stays");
@@ -535,8 +551,8 @@ mod tests {
         let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
         let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
         t.discover(before, b"sh", 0, 1, &c);
-        let a = t.observe(before, b"sh", &[], 1, &c);
-        let b = t.observe(after, b"prog", &[], 1, &c);
+        let a = t.observe(before, b"sh", (&[], false), 1, &c);
+        let b = t.observe(after, b"prog", (&[], false), 1, &c);
         assert_ne!(a, b, "one pid, two programs, two records");
         assert_eq!(t.get(before).unwrap().record.comm, b"sh");
         assert_eq!(t.get(after).unwrap().record.comm, b"prog");

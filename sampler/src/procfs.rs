@@ -37,7 +37,7 @@ pub enum ProcError {
     Execed { pid: u32 },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Mapping {
     pub start: u64,
     pub end: u64,
@@ -46,6 +46,9 @@ pub struct Mapping {
     pub dev_minor: u32,
     pub inode: u64,
     pub path: Vec<u8>,
+    /// The kernel printed a longer path than is kept: it can never be resolved, so it is
+    /// never walked (not sent: the enricher sees the kept prefix).
+    pub cut: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -59,6 +62,9 @@ pub struct ProcessRecord {
     pub cmdline: Vec<Vec<u8>>,
     pub cgroup: Vec<u8>,
     pub mappings: Vec<Mapping>,
+    /// Anonymous executable ranges (JIT code, the vDSO): for the unwinder's check that
+    /// every frame is code of the process; not sent.
+    pub code: Vec<(u64, u64)>,
     pub complete: bool,
 }
 
@@ -121,6 +127,9 @@ impl ProcessRecord {
     }
 }
 
+/// First address above user space (x86_64, 4-level paging).
+const USER_SPACE_END: u64 = 1 << 47;
+
 /// Clock ticks per second used by /proc/<pid>/stat's start time (USER_HZ).
 fn clock_ticks() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -171,7 +180,7 @@ pub fn read_process_at(
         .map(|c| split_cmdline(&c))
         .unwrap_or_default();
     let cgroup = read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?;
-    let (mappings, maps_read) = read_maps(&dir, pid)?;
+    let ((mappings, code), maps_read) = read_maps(&dir, pid)?;
     if exe.is_empty() && mappings.is_empty() && !parsed.kernel_thread {
         // Its memory went while it was read (exit_mm comes before the zombie state).
         return Err(ProcError::Gone { pid });
@@ -187,16 +196,20 @@ pub fn read_process_at(
         cmdline,
         cgroup,
         mappings,
+        code,
         complete: true,
     };
     let read = read + record.cmdline.iter().map(Vec::len).sum::<usize>();
     Ok((record, read, dir))
 }
 
+/// Executable file mappings and anonymous executable ranges of a process.
+pub type Maps = (Vec<Mapping>, Vec<(u64, u64)>);
+
 /// Reads only the executable mappings again (after a sample fell outside them), of the
 /// process that started at `start_ns` (not a successor with its pid). Also returns the
 /// bytes read and the verified `/proc/<pid>` directory fd.
-pub fn read_mappings(pid: u32, start_ns: u64) -> Result<(Vec<Mapping>, usize, OwnedFd), ProcError> {
+pub fn read_mappings(pid: u32, start_ns: u64) -> Result<(Maps, usize, OwnedFd), ProcError> {
     let dir = open_verified(pid, start_ns)?;
     let (maps, n) = read_maps(&dir, pid)?;
     Ok((maps, n, dir))
@@ -351,7 +364,10 @@ fn split_cmdline(raw: &[u8]) -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Vec<Mapping>, usize), ProcError> {
+/// Anonymous executable ranges kept per process at most.
+pub const MAX_CODE_RANGES: usize = 16;
+
+fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Maps, usize), ProcError> {
     let fd = openat(
         dir.as_fd(),
         "maps",
@@ -360,17 +376,22 @@ fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Vec<Mapping>, usize), ProcError
     )
     .map_err(|e| io_err(pid, "maps", e))?;
     let reader = std::io::BufReader::with_capacity(64 << 10, File::from(fd).take(MAX_MAPS_BYTES));
-    parse_maps_from(reader).map_err(|e| match e.raw_os_error() {
+    let (all, read) = parse_maps_from(reader).map_err(|e| match e.raw_os_error() {
         Some(libc::ESRCH) => ProcError::Gone { pid },
         _ => ProcError::Io {
             pid,
             file: "maps",
             source: e,
         },
-    })
+    })?;
+    let (files, anon): (Vec<Mapping>, Vec<Mapping>) = all.into_iter().partition(|m| m.inode != 0);
+    let code = anon.iter().map(|m| (m.start, m.end)).collect();
+    Ok(((files, code), read))
 }
 
-/// Keeps file-backed executable mappings: `start-end perms offset maj:min inode  path`.
+/// Keeps executable mappings: `start-end perms offset maj:min inode  path`. Those of
+/// files have an inode; anonymous ones (JIT code, the vDSO; at most
+/// [`MAX_CODE_RANGES`]) have inode 0.
 pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
     parse_maps_from(maps).map_or_else(|_| Vec::new(), |(m, _)| m)
 }
@@ -382,7 +403,7 @@ pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
 pub fn parse_maps_from(mut r: impl std::io::BufRead) -> std::io::Result<(Vec<Mapping>, usize)> {
     let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    let (mut read, mut kept) = (0usize, 0usize);
+    let (mut read, mut kept, mut anon) = (0usize, 0usize, 0usize);
     let mut line = Vec::new();
     loop {
         line.clear();
@@ -398,6 +419,13 @@ pub fn parse_maps_from(mut r: impl std::io::BufRead) -> std::io::Result<(Vec<Map
         let Some(m) = parse_maps_line(text) else {
             continue;
         };
+        if m.inode == 0 {
+            anon += 1;
+            if anon <= MAX_CODE_RANGES {
+                out.push(m);
+            }
+            continue;
+        }
         let first = seen.insert((m.dev_major, m.dev_minor, m.inode));
         if !first && kept > MAX_RECORD_BYTES {
             continue;
@@ -420,21 +448,24 @@ fn parse_maps_line(line: &[u8]) -> Option<Mapping> {
         return None;
     }
     let inode: u64 = std::str::from_utf8(inode).ok()?.parse().ok()?;
-    if inode == 0 {
-        return None;
-    }
     let hex = |b: &[u8]| u64::from_str_radix(std::str::from_utf8(b).ok()?, 16).ok();
     let dash = range.iter().position(|&b| b == b'-')?;
     let colon = dev.iter().position(|&b| b == b':')?;
     let path = path.trim_ascii_start();
+    let (start, end) = (hex(&range[..dash])?, hex(&range[dash + 1..])?);
+    // [vsyscall] lies above user space; no stack frame is ever there.
+    if inode == 0 && (end > USER_SPACE_END || start >= end) {
+        return None;
+    }
     Some(Mapping {
-        start: hex(&range[..dash])?,
-        end: hex(&range[dash + 1..])?,
+        start,
+        end,
         offset: hex(offset)?,
         dev_major: u32::try_from(hex(&dev[..colon])?).ok()?,
         dev_minor: u32::try_from(hex(&dev[colon + 1..])?).ok()?,
         inode,
         path: path[..path.len().min(limits::MAX_PATH_BYTES as usize)].to_vec(),
+        cut: path.len() > limits::MAX_PATH_BYTES as usize,
     })
 }
 
@@ -460,7 +491,11 @@ mod tests {
 55d0c0a01000-55d0c0a02000 r-xp 00001000 fd:01 1234   /usr/bin/a b\n\
 7ffd1000-7ffd2000 r-xp 00000000 00:00 0   [vdso]\n\
 7f0000000000-7f0000100000 r-xp 00002000 103:0a 99 /lib/x.so (deleted)\n";
-        let m = parse_maps(maps);
+        let all = parse_maps(maps);
+        // The vDSO is kept as anonymous code (inode 0), apart from the files.
+        assert_eq!(all.len(), 3);
+        assert_eq!((all[1].start, all[1].inode), (0x7ffd1000, 0));
+        let m: Vec<&Mapping> = all.iter().filter(|m| m.inode != 0).collect();
         assert_eq!(m.len(), 2);
         assert_eq!(m[0].start, 0x55d0c0a01000);
         assert_eq!(m[0].offset, 0x1000);
@@ -483,6 +518,7 @@ mod tests {
             dev_minor: 1,
             inode: i + 1,
             path: vec![b'x'; 4000],
+            cut: false,
         };
         let mut r = ProcessRecord {
             mappings: (0..4096).map(mapping).collect(),

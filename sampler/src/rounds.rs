@@ -7,12 +7,12 @@ use std::cell::Cell;
 
 use firn_sampler_bpf::types::firn_counter;
 
+use crate::assemble::{self, RoundData};
 use crate::counters::{add, bump, Counters};
 use crate::drain::{DrainError, Drained};
 use crate::events::{EventKind, ProcEvent};
 use crate::kallsyms::Kallsyms;
 use crate::processes::{Ending, ProcKey, ProcessTable};
-use crate::round::{self, RoundData};
 
 /// The two map sets the BPF program writes, one at a time.
 pub trait MapSets {
@@ -67,9 +67,12 @@ pub struct Rounds {
 }
 
 /// The program's counters, the sampler's cell for each, and whether a rise is a loss.
-fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str>); 19] {
+fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static str>)> {
     type K = firn_counter;
-    [
+    let ends = crate::unwind::ends::ALL
+        .iter()
+        .map(|&(reason, _, cell)| (crate::unwind::ends::slot(reason), cell(c), None));
+    let mut all = vec![
         (K::FIRN_CTR_SAMPLES, &c.bpf_samples, None),
         (K::FIRN_CTR_IDLE, &c.bpf_idle_samples, None),
         (
@@ -105,20 +108,9 @@ fn bpf_counters(c: &Counters) -> [(firn_counter, &Cell<u64>, Option<&'static str
         ),
         (K::FIRN_CTR_TABLE_FRAMES, &c.bpf_unwind_table_frames, None),
         (K::FIRN_CTR_FP_FRAMES, &c.bpf_unwind_fp_frames, None),
-        (end(0), &c.bpf_unwind_end_complete, None),
-        (end(1), &c.bpf_unwind_end_no_process, None),
-        (end(2), &c.bpf_unwind_end_no_mapping, None),
-        (end(3), &c.bpf_unwind_end_no_table, None),
-        (end(4), &c.bpf_unwind_end_not_in_table, None),
-        (end(5), &c.bpf_unwind_end_unsupported, None),
-        (end(6), &c.bpf_unwind_end_read_fault, None),
-        (end(7), &c.bpf_unwind_end_depth, None),
-    ]
-}
-
-/// The counter of unwind end `reason` (`enum firn_unwind_end`).
-const fn end(reason: u32) -> firn_counter {
-    firn_counter(firn_counter::FIRN_CTR_END_BASE.0 + reason)
+    ];
+    all.extend(ends);
+    all
 }
 
 impl Rounds {
@@ -160,8 +152,9 @@ impl Rounds {
         }
     }
 
-    /// Hands what the process table read or forgot to the unwinder's maps.
-    pub fn sync_mappings(&mut self, maps: &mut impl MapSets) {
+    /// Hands what the process table read or forgot to the unwinder's maps, then walks
+    /// to the files of the records read (for binary handles).
+    pub fn sync_mappings(&mut self, maps: &mut impl MapSets, c: &Counters) {
         let fresh = self.table.take_fresh();
         if !fresh.is_empty() {
             maps.set_mappings(&fresh);
@@ -170,6 +163,7 @@ impl Rounds {
         if !dropped.is_empty() {
             maps.forget_mappings(&dropped);
         }
+        self.table.take_handles(c);
     }
 
     /// Ends the current round at `now_ns`: the program switches to the other set.
@@ -217,10 +211,10 @@ impl Rounds {
         if let Some(online) = online {
             self.check_cpus(maps.cpus(), online, c)?;
         }
-        let data = round::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
+        let data = assemble::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
         let forgotten = self.table.sweep(self.round, c);
         maps.forget_announced(&self.table.take_unseen());
-        self.sync_mappings(maps);
+        self.sync_mappings(maps, c);
         self.table.begin_round(self.round, c);
         bump(&c.rounds);
         tracing::debug!(
@@ -409,7 +403,7 @@ mod tests {
         let d = &round.data;
         assert_eq!(d.samples.len(), 2);
         assert_eq!(&*d.samples[0].user, &[0x401000, 0x402000]);
-        assert_eq!(d.samples[1].user_status, round::StackStatus::Lost);
+        assert_eq!(d.samples[1].user_status, assemble::StackStatus::Lost);
         // One record, for the process both samples belong to: what BPF saw of it.
         assert_eq!(d.processes.len(), 1);
         assert!(!d.processes[0].record.complete);

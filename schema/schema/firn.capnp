@@ -165,15 +165,19 @@ enum StackStatus {
 }
 
 enum UnwindEnd {
-  # Why a user stack ended (see profile.bpf.h, enum firn_unwind_end).
+  # Why a user stack ended (the values are profile.bpf.h's enum firn_unwind_end; the
+  # sampler asserts they agree).
   complete @0;            # a table row said this is the outermost frame
-  noProcess @1;           # the process's mappings were not known yet: frame pointers
-  noMapping @2;           # pc in no file mapping (JIT, anonymous code, vDSO)
+  noProcess @1;           # the process's mappings were not known yet: the leaf only
+  noMapping @2;           # pc in anonymous executable code (JIT, vDSO): frame pointers
   noTable @3;             # the file had no table: frame pointers from there
   notInTable @4;          # the table has no row for the pc: frame pointers from there
   unsupported @5;         # a rule the unwinder cannot follow
-  readFault @6;           # user memory could not be read
+  readFault @6;           # no longer sent (a failed read ends as badFrame)
   depthLimit @7;          # 127 frames
+  badFrame @8;            # the caller's frame failed a check: its return address is not
+                          # code of the process (a wrong table or frame pointer, or code
+                          # mapped since its record), or it lay outside the stack window
 }
 
 struct Sample {

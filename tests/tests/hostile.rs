@@ -63,6 +63,11 @@ fn hostile_clients_are_counted_and_cut_off() {
         ("unknown-method", "unknown_methods", true),
         ("unknown-interface", "unknown_methods", true),
         ("flood", "request_floods", true),
+        // Messages capnp-rpc would answer by itself, before any budgeted method: a
+        // million Bootstraps stop at the second; kinds a two-party sampler never
+        // accepts close at once.
+        ("bootstrap-flood", "rpc_bootstraps_refused", true),
+        ("disembargo", "rpc_messages_refused", true),
         ("slowloris", "stalled_connections", true),
         // Unwind tables: malformed rows close the connection; budgets and unknown
         // identities are refused and counted; a guessed id closes.

@@ -252,8 +252,21 @@ where
                             RBP => k::CFA_RBP,
                             _ => k::CFA_UNSUPPORTED,
                         };
+                        // Offsets the sampler refuses (an rbp-based CFA far from
+                        // rbp or unaligned) become a stop here instead.
                         match u16::try_from(*offset) {
-                            Ok(o) if o >= 8 && kind != k::CFA_UNSUPPORTED => (kind, o),
+                            Ok(o)
+                                if kind != k::CFA_UNSUPPORTED
+                                    && Row::valid(&Row {
+                                        pc: 0,
+                                        cfa_offset: o,
+                                        cfa: kind,
+                                        rbp: k::RBP_SAME,
+                                        rbp_offset8: 0,
+                                    }) =>
+                            {
+                                (kind, o)
+                            }
                             _ => unsupported(),
                         }
                     }

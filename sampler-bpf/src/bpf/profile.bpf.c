@@ -235,7 +235,7 @@ struct firn_unwind_state {
 	__u8 exact_pc;             /* pc is where execution stopped, not a return address */
 	/* The mapping of the last frame and its table: consecutive frames are mostly in
 	 * one binary, so most frames skip two hash lookups and the mapping search. */
-	__u8 cached;               /* 0: nothing cached; 1: table; 2: mapping without table */
+	__u8 cached;               /* 0: nothing cached; else enum firn_mapping_kind */
 	__u64 c_start;
 	__u64 c_end;
 	__u64 c_offset;
@@ -250,6 +250,10 @@ struct {
 	__type(value, struct firn_unwind_state);
 } scratch SEC(".maps");
 
+/* Written by the sampler before load (random): user stacks are keyed by a hash no
+ * local user can predict, so none can craft frames that take another stack's key. */
+const volatile __u64 hash_seed = 0;
+
 static __always_inline __u64 mix(__u64 h, __u64 v)
 {
 	h ^= v;
@@ -257,27 +261,28 @@ static __always_inline __u64 mix(__u64 h, __u64 v)
 	return h ^ (h >> 29);
 }
 
-/* The row for `pc` of the current process, or why there is none (a firn_unwind_end). */
-static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
+/* What holds a pc of the current process. */
+enum firn_mapping_kind {
+	MAPPING_FILE_TABLE = 1,    /* a file mapping whose file has a table */
+	MAPPING_FILE = 2,          /* a file mapping, no table */
+	MAPPING_ANON = 3,          /* anonymous executable memory: JIT code, the vDSO */
+	MAPPING_NONE = 4,          /* no executable mapping known to hold it */
+	MAPPING_NO_PROCESS = 5,    /* the process's mappings are not in the map (yet) */
+};
+
+/* Finds the executable mapping holding `pc` and caches it with its table. */
+static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc)
 {
 	struct firn_proc_maps *pm;
 	struct firn_file_key file;
 	struct firn_table *t;
-	struct firn_unwind_row *r;
-	__u32 lo = 0, hi, mid, idx, first, count, j;
-	__u64 off;
+	__u32 lo = 0, hi, mid, idx, j;
 
-	if (st->cached && pc >= st->c_start && pc < st->c_end) {
-		if (st->cached != 1)
-			return FIRN_END_NO_TABLE;
-		off = pc - st->c_start + st->c_offset;
-		first = st->c_first;
-		count = st->c_count;
-		goto rows;
-	}
+	if (st->cached && pc >= st->c_start && pc < st->c_end)
+		return st->cached;
 	pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
 	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
-		return FIRN_END_NO_PROCESS;
+		return MAPPING_NO_PROCESS;
 	hi = pm->count;
 	if (hi > FIRN_MAX_MAPPINGS)
 		hi = FIRN_MAX_MAPPINGS;
@@ -285,38 +290,48 @@ static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, st
 	for (j = 0; j < 7 && lo < hi; j++) {
 		mid = (lo + hi) / 2;
 		if (mid >= FIRN_MAX_MAPPINGS)
-			return FIRN_END_NO_MAPPING;
+			return MAPPING_NONE;
 		if (pm->m[mid].start <= pc)
 			lo = mid + 1;
 		else
 			hi = mid;
 	}
 	if (lo == 0)
-		return FIRN_END_NO_MAPPING;
+		return MAPPING_NONE;
 	idx = lo - 1;
 	if (idx >= FIRN_MAX_MAPPINGS || pc >= pm->m[idx].end)
-		return FIRN_END_NO_MAPPING;
-	off = pc - pm->m[idx].start + pm->m[idx].offset;
+		return MAPPING_NONE;
 	st->c_start = pm->m[idx].start;
 	st->c_end = pm->m[idx].end;
 	st->c_offset = pm->m[idx].offset;
 	file = pm->m[idx].file;
+	if (file.inode == 0) {
+		st->cached = MAPPING_ANON;
+		return MAPPING_ANON;
+	}
+	file.reserved = 0;
 	t = bpf_map_lookup_elem(&tables, &file);
 	if (!t) {
-		st->cached = 2;
-		return FIRN_END_NO_TABLE;
+		st->cached = MAPPING_FILE;
+		return MAPPING_FILE;
 	}
-	first = t->first;
-	count = t->count;
-	st->c_first = first;
-	st->c_count = count;
-	st->cached = 1;
-rows:
+	st->c_first = t->first;
+	st->c_count = t->count;
+	st->cached = MAPPING_FILE_TABLE;
+	return MAPPING_FILE_TABLE;
+}
+
+/* The row for `pc`, which lies in the cached mapping, or why there is none. */
+static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
+{
+	struct firn_unwind_row *r;
+	__u32 lo = 0, hi, mid, idx, first = st->c_first, j;
+	__u64 off = pc - st->c_start + st->c_offset;
+
 	if (off > 0xffffffffULL)
 		return FIRN_END_NOT_IN_TABLE;
 	/* Last row at or below off; the sampler keeps count < 2^24. */
-	lo = 0;
-	hi = count;
+	hi = st->c_count;
 	for (j = 0; j < 24 && lo < hi; j++) {
 		mid = lo + (hi - lo) / 2;
 		idx = first + mid;
@@ -338,20 +353,38 @@ rows:
 	return 0;
 }
 
+/* Reads a word of the process's stack. Only 8-byte aligned words are read: a row or a
+ * frame pointer can then never make the walk read a word made of the bytes of two. */
 static __always_inline int read_user(__u64 *dst, __u64 addr)
 {
+	if (addr & 7)
+		return -1;
 	return bpf_probe_read_user(dst, sizeof(*dst), (const void *)addr);
 }
 
-/* One frame: record st->pc, then find the caller's registers. 1 stops the loop. */
+/* Whether `base` may serve as a frame's base: 8-byte aligned, at or above the stack
+ * pointer and within one frame's reach of it. */
+static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
+{
+	return (base & 7) == 0 && base >= sp && base - sp <= reach;
+}
+
+/* One frame: check that st->pc is code of this process (every frame but the leaf, whose
+ * pc is the sampled register), record it, then find the caller's registers. Nothing
+ * read from the process's memory becomes a frame unless it lies in one of its
+ * executable mappings, and every read lies in a bounded window above the stack pointer
+ * of the frame being walked, so a lying table can pick among the process's code
+ * addresses and nothing else (DESIGN rule 9). 1 stops the loop. */
 static long unwind_step(__u32 i, void *data)
 {
 	struct firn_unwind_state *st;
 	struct firn_unwind_row row = {};
-	__u32 zero = 0, len, why;
+	__u32 zero = 0, len, why, kind;
 	__u64 cfa, ra, bp, sp, pc;
 	__u8 cfa_kind, rbp_kind;
 
+	(void)i;
+	(void)data;
 	st = bpf_map_lookup_elem(&scratch, &zero);
 	if (!st)
 		return 1;
@@ -361,6 +394,14 @@ static long unwind_step(__u32 i, void *data)
 		st->end = FIRN_END_DEPTH;
 		return 1;
 	}
+	kind = find_mapping(st, pc);
+	if (len > 0 && kind >= MAPPING_NONE) {
+		/* A return address outside every executable mapping of the process: a wrong
+		 * table or frame pointer, or code mapped after its record was read (the
+		 * sampler reads the mappings again on this end). Not recorded. */
+		st->end = FIRN_END_BAD_FRAME;
+		return 1;
+	}
 	st->stack.frames[len] = pc;
 	st->len = len + 1;
 	st->hash = mix(st->hash, pc);
@@ -368,15 +409,25 @@ static long unwind_step(__u32 i, void *data)
 		st->end = FIRN_END_DEPTH;
 		return 1;
 	}
+	if (kind == MAPPING_NO_PROCESS) {
+		/* No frame above the leaf could be checked. */
+		st->end = FIRN_END_NO_PROCESS;
+		return 1;
+	}
 
-	/* A return address points after the call: look up the call itself. */
-	why = find_row(st, st->exact_pc ? pc : pc - 1, &row);
+	why = FIRN_END_NO_MAPPING;
+	if (kind == MAPPING_FILE)
+		why = FIRN_END_NO_TABLE;
+	else if (kind == MAPPING_FILE_TABLE)
+		/* A return address points after the call: look up the call itself. */
+		why = find_row(st, st->exact_pc ? pc : pc - 1, &row);
 	st->exact_pc = 0;
+	sp = st->sp;
 	if (why != 0) {
 		/* Frame pointers: [rbp] is the caller's rbp, [rbp + 8] the return address. */
 		bump(FIRN_CTR_FP_FRAMES);
 		st->end = why;
-		if (!st->bp_known || st->bp == 0 || st->bp < st->sp)
+		if (!st->bp_known || !in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES))
 			return 1;
 		if (read_user(&bp, st->bp) || read_user(&ra, st->bp + 8))
 			return 1;
@@ -389,7 +440,6 @@ static long unwind_step(__u32 i, void *data)
 	bump(FIRN_CTR_TABLE_FRAMES);
 	cfa_kind = row.kinds & 0xf;
 	rbp_kind = row.kinds >> 4;
-	sp = st->sp;
 	switch (cfa_kind) {
 	case FIRN_CFA_RSP:
 		cfa = sp + row.cfa_offset;
@@ -399,6 +449,10 @@ static long unwind_step(__u32 i, void *data)
 			st->end = FIRN_END_UNSUPPORTED;
 			return 1;
 		}
+		if (!in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES)) {
+			st->end = FIRN_END_BAD_FRAME;
+			return 1;
+		}
 		cfa = st->bp + row.cfa_offset;
 		break;
 	case FIRN_CFA_PLT:
@@ -406,10 +460,12 @@ static long unwind_step(__u32 i, void *data)
 		break;
 	case FIRN_CFA_SIGNAL:
 		/* rt_sigframe: the ucontext is at rsp, its sigcontext 40 bytes in; rbp, rsp
-		 * and rip are its 11th, 16th and 17th words. */
+		 * and rip are its 11th, 16th and 17th words. The interrupted stack pointer
+		 * lies above the frame (a handler on an alternate stack ends the walk). */
 		if (read_user(&bp, sp + 40 + 80) || read_user(&cfa, sp + 40 + 120) ||
-		    read_user(&ra, sp + 40 + 128)) {
-			st->end = FIRN_END_READ_FAULT;
+		    read_user(&ra, sp + 40 + 128) || cfa <= sp ||
+		    !in_frame(cfa, sp, FIRN_MAX_SIGNAL_FRAME_BYTES)) {
+			st->end = FIRN_END_BAD_FRAME;
 			return 1;
 		}
 		st->bp = bp;
@@ -426,13 +482,17 @@ static long unwind_step(__u32 i, void *data)
 		st->end = FIRN_END_UNSUPPORTED;
 		return 1;
 	}
-	if (read_user(&ra, cfa - 8)) {
-		st->end = FIRN_END_READ_FAULT;
+	/* The caller's frame lies above this one: its return address at CFA - 8, at or
+	 * above the stack pointer, and a saved rbp between the two. */
+	if (cfa <= sp || (cfa & 7) || read_user(&ra, cfa - 8)) {
+		st->end = FIRN_END_BAD_FRAME;
 		return 1;
 	}
 	if (rbp_kind == FIRN_RBP_AT_CFA) {
-		if (read_user(&bp, cfa + (__s64)row.rbp_offset8 * 8)) {
-			st->end = FIRN_END_READ_FAULT;
+		__u64 slot = cfa + (__s64)row.rbp_offset8 * 8;
+
+		if (slot < sp || read_user(&bp, slot)) {
+			st->end = FIRN_END_BAD_FRAME;
 			return 1;
 		}
 		st->bp = bp;
@@ -483,7 +543,9 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 	st->end = FIRN_END_COMPLETE;
 	st->bp_known = 1;
 	st->exact_pc = 1;
-	st->hash = 0xcbf29ce484222325ULL;
+	/* Seeded, and per process: equal frames of two processes are two stacks. */
+	st->hash = mix(mix(hash_seed ^ 0xcbf29ce484222325ULL,
+			   (__u64)key->tgid << 32 | key->exec_id), key->start_ns);
 	bpf_loop(FIRN_MAX_STACK_DEPTH, unwind_step, NULL, 0);
 
 	len = st->len;
@@ -582,6 +644,7 @@ int firn_exec(void *ctx)
 {
 	struct firn_proc_id id;
 
+	(void)ctx;
 	proc_id_of((struct task_struct *)bpf_get_current_task(), &id);
 	id.exec_id -= 1;
 	ended(FIRN_EV_EXEC, &id);
@@ -595,6 +658,7 @@ int firn_exit(void *ctx)
 	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
 	struct firn_proc_id id;
 
+	(void)ctx;
 	if (BPF_CORE_READ(task, signal, live.counter) != 0)
 		return 0;
 	proc_id_of(task, &id);

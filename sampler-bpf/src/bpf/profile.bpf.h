@@ -26,21 +26,26 @@ enum firn_counter {
 	FIRN_CTR_FP_FRAMES = 10,       /* user frames unwound by frame pointers (no row) */
 	/* Why each user stack ended: FIRN_CTR_END_BASE + enum firn_unwind_end. */
 	FIRN_CTR_END_BASE = 11,
-	FIRN_CTR_MAX = 19,
+	FIRN_CTR_MAX = 20,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the
- * *_NO_* reasons) by frame pointers because there was no row, for that reason. */
+ * NO_MAPPING, NO_TABLE and NOT_IN_TABLE reasons) by frame pointers because there was
+ * no row, for that reason. The values are on the wire (schema UnwindEnd) and name the
+ * sampler's counters: the sampler asserts all three agree. */
 enum firn_unwind_end {
 	FIRN_END_COMPLETE = 0,     /* a row said the return address is undefined (outermost) */
-	FIRN_END_NO_PROCESS = 1,   /* the process's mappings are not in the map yet */
-	FIRN_END_NO_MAPPING = 2,   /* pc in no file mapping: JIT, anonymous code, vDSO */
+	FIRN_END_NO_PROCESS = 1,   /* the process's mappings are not in the map yet: leaf only */
+	FIRN_END_NO_MAPPING = 2,   /* pc in anonymous executable code (JIT, vDSO): frame pointers */
 	FIRN_END_NO_TABLE = 3,     /* the file has no table (not built, refused, evicted) */
 	FIRN_END_NOT_IN_TABLE = 4, /* the table has no row for the pc */
 	FIRN_END_UNSUPPORTED = 5,  /* the row's CFA rule is one the unwinder cannot follow */
-	FIRN_END_READ_FAULT = 6,   /* user memory could not be read */
+	FIRN_END_READ_FAULT = 6,   /* no longer written: a failed read is a FIRN_END_BAD_FRAME */
 	FIRN_END_DEPTH = 7,        /* FIRN_MAX_STACK_DEPTH frames */
-	FIRN_END_MAX = 8,
+	FIRN_END_BAD_FRAME = 8,    /* the caller's frame failed a check (see unwind_step): a
+				    * return address that is not code of this process, a frame
+				    * outside the stack window, unreadable memory */
+	FIRN_END_MAX = 9,
 };
 _Static_assert(FIRN_CTR_END_BASE + FIRN_END_MAX == FIRN_CTR_MAX, "one counter per end");
 
@@ -106,6 +111,14 @@ struct firn_unwind_row {
 };
 _Static_assert(sizeof(struct firn_unwind_row) == 8, "firn_unwind_row is 8 bytes");
 
+/* The offsets a row may carry are checked by the sampler (schema unwind_row::valid: an
+ * rbp-based CFA at most rbp + 256, by what 3,574 ELF files of a Debian node use); the
+ * walk itself never trusts them. How far above the stack pointer a frame pointer may
+ * lie when the walk uses it as a base (rbp-based CFA, frame-pointer fallback), and a
+ * signal frame's saved stack pointer: the walk moves up the stack by bounded steps. */
+#define FIRN_MAX_FRAME_BYTES (1 << 20)
+#define FIRN_MAX_SIGNAL_FRAME_BYTES (64 << 10)
+
 /* A mapped file as the sampler read it from /proc/PID/maps. */
 struct firn_file_key {
 	__u64 inode;
@@ -125,10 +138,11 @@ struct firn_mapping {
 	__u64 start;
 	__u64 end;
 	__u64 offset;             /* file offset of `start` */
-	struct firn_file_key file;
+	struct firn_file_key file; /* inode 0: anonymous executable memory (JIT, vDSO) */
 };
 
-/* The executable file mappings of one process, sorted by start. */
+/* The executable mappings of one process (its files', then anonymous executable
+ * ranges and the vDSO), sorted by start. Every frame above the leaf must lie in one. */
 struct firn_proc_maps {
 	__u64 start_ns;           /* of the process they belong to: pid reuse and exec */
 	__u32 exec_id;

@@ -1,7 +1,8 @@
 //! A misbehaving client of firn-sampler, for the hostile-client tests. One scenario per
 //! run; prints one JSON line saying what the sampler did:
 //!   firn-hostile SOCKET oversized|nested|flood|slowloris|wrong-version|never-issued|
-//!                       unknown-process|fd-flood|unknown-method|unknown-interface
+//!                       unknown-process|fd-flood|unknown-method|unknown-interface|
+//!                       bootstrap-flood|disembargo|table-*
 //! `closed`: the sampler closed the connection (EOF or reset) within the scenario.
 
 use std::cell::RefCell;
@@ -23,6 +24,8 @@ fn main() {
     let out = match scenario.as_str() {
         "oversized" => raw(sock, &oversized()),
         "nested" => raw(sock, &nested(200)),
+        "bootstrap-flood" => bootstrap_flood(sock, 1_000_000),
+        "disembargo" => raw(sock, &disembargo()),
         _ => rpc(sock, scenario),
     };
     println!("{out}");
@@ -54,6 +57,53 @@ fn raw(sock: &str, bytes: &[u8]) -> String {
     let wrote = s.write_all(bytes).is_ok();
     let closed = closed_within(&mut s, Duration::from_secs(10));
     format!("{{\"closed\":{closed},\"wrote_all\":{wrote}}}")
+}
+
+/// `n` Bootstrap messages with fresh question ids, written as fast as the socket takes
+/// them, never reading an answer (capnp-rpc answers each itself and keeps the answer
+/// until a Finish).
+fn bootstrap_flood(sock: &str, n: u32) -> String {
+    use capnp_rpc::rpc_capnp::message;
+    let mut s = UnixStream::connect(sock).expect("connect");
+    let _ = s.set_write_timeout(Some(Duration::from_secs(10)));
+    let mut sent = 0u32;
+    let mut buf = Vec::with_capacity(64 << 10);
+    'outer: while sent < n {
+        buf.clear();
+        for _ in 0..1024 {
+            let mut b = capnp::message::Builder::new_default();
+            b.init_root::<message::Builder>()
+                .init_bootstrap()
+                .set_question_id(sent);
+            buf.extend_from_slice(&capnp::serialize::write_message_to_words(&b));
+            sent += 1;
+            if sent == n {
+                break;
+            }
+        }
+        if s.write_all(&buf).is_err() {
+            break 'outer;
+        }
+    }
+    let closed = closed_within(&mut s, Duration::from_secs(10));
+    format!("{{\"closed\":{closed},\"sent\":{sent}}}")
+}
+
+/// A Bootstrap, then a Disembargo: a message kind only a three-party or embargoed
+/// network sends, never firn's enricher.
+fn disembargo() -> Vec<u8> {
+    use capnp_rpc::rpc_capnp::message;
+    let mut b = capnp::message::Builder::new_default();
+    b.init_root::<message::Builder>()
+        .init_bootstrap()
+        .set_question_id(0);
+    let mut out = capnp::serialize::write_message_to_words(&b);
+    let mut b = capnp::message::Builder::new_default();
+    let mut d = b.init_root::<message::Builder>().init_disembargo();
+    d.reborrow().init_target().set_imported_cap(0);
+    d.init_context().set_sender_loopback(1);
+    out.extend_from_slice(&capnp::serialize::write_message_to_words(&b));
+    out
 }
 
 /// A segment table announcing one 64 MiB segment (far over the sampler's limit), then

@@ -2,7 +2,7 @@
 
 use firn_schema::firn_capnp::{batch, counter, process, sample, StackStatus as Wire};
 
-use crate::round::{Issued, RoundData, StackStatus};
+use crate::assemble::{Issued, RoundData, StackStatus};
 
 pub struct BatchMeta<'a> {
     pub session_id: u64,
@@ -17,20 +17,6 @@ fn wire(s: StackStatus) -> Wire {
         StackStatus::Absent => Wire::Absent,
         StackStatus::Lost => Wire::Lost,
         StackStatus::Error => Wire::Error,
-    }
-}
-
-fn unwind_end(reason: u32) -> firn_schema::firn_capnp::UnwindEnd {
-    use firn_schema::firn_capnp::UnwindEnd as E;
-    match reason {
-        0 => E::Complete,
-        1 => E::NoProcess,
-        2 => E::NoMapping,
-        3 => E::NoTable,
-        4 => E::NotInTable,
-        5 => E::Unsupported,
-        6 => E::ReadFault,
-        _ => E::DepthLimit,
     }
 }
 
@@ -94,7 +80,7 @@ pub fn fill_batch(
         w.set_count(s.count);
         w.set_user_stack(wire(s.user_status));
         w.set_kernel_stack(wire(s.kernel_status));
-        w.set_user_stack_end(unwind_end(s.unwind_end));
+        w.set_user_stack_end(crate::unwind::ends::wire(s.unwind_end));
         let mut u = w.reborrow().init_user_frames(len32(s.user.len()));
         for (j, &a) in s.user.iter().enumerate() {
             u.set(len32(j), a);

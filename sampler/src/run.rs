@@ -15,7 +15,7 @@ use crate::drain;
 use crate::kallsyms::Kallsyms;
 use crate::listen::{self, Allow, Peer};
 use crate::rounds::{CpuHotplug, Rounds};
-use crate::server::{self, Shared};
+use crate::rpc::{self, Shared};
 
 /// Accepts clients for ever: each allowed peer gets a connection task, up to the limit.
 pub async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>, allow: Allow) {
@@ -44,7 +44,7 @@ pub async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>,
                 bump(&c.connections_accepted);
                 shared.connections.set(shared.connections.get() + 1);
                 tracing::info!(uid, pid, "client connected");
-                tokio::task::spawn_local(server::handle(stream, shared.clone()));
+                tokio::task::spawn_local(rpc::handle(stream, shared.clone()));
             }
             Peer::Refused { uid, gid, pid } => {
                 bump(&c.connections_refused_peer);
@@ -74,7 +74,7 @@ fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, c: &crate::counters
         );
     }
     rounds.on_events(&events, c);
-    rounds.sync_mappings(sampling);
+    rounds.sync_mappings(sampling, c);
 }
 
 /// Runs rounds every `period` until SIGTERM or SIGINT (`Ok`) or a CPU hotplug that a

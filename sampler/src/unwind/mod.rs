@@ -17,11 +17,15 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 
 use firn_sampler_bpf::types::{firn_cfa_kind as Cfa, firn_rbp_kind as Rbp};
-use firn_schema::unwind_row::{self as row_kinds, Row};
+use firn_schema::unwind_row as row_kinds;
 use libbpf_rs::libbpf_sys;
 
 use crate::counters::{add, bump, Counters};
 use crate::procfs::{Mapping, ProcessRecord};
+
+pub mod ends;
+mod rows;
+pub use rows::{check_rows, Pool, TableError};
 
 /// Bytes of one row on the wire and in the `rows` map.
 pub const ROW_BYTES: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
@@ -75,126 +79,6 @@ impl FileKey {
         b[..8].copy_from_slice(&self.inode.to_ne_bytes());
         b[8..12].copy_from_slice(&self.dev.to_ne_bytes());
         b
-    }
-}
-
-/// What is wrong with a chunk or a table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum TableError {
-    #[error("the rows are not a whole number of {ROW_BYTES}-byte rows")]
-    Ragged,
-    #[error("an empty table or chunk")]
-    Empty,
-    #[error("row {0}: its pc is not above the previous row's")]
-    Unsorted(u32),
-    #[error("row {0}: unknown CFA or rbp kind")]
-    BadKind(u32),
-    #[error("row {0}: an offset out of range for its kind")]
-    BadOffset(u32),
-    #[error("chunk does not continue the pending table (first row, total or file)")]
-    OutOfOrder,
-    #[error("{rows} rows: over the table limit of {limit}")]
-    TooLarge { rows: u32, limit: u32 },
-    #[error("no room for {rows} rows in the row pool")]
-    NoRoom { rows: u32 },
-    #[error("another subscription provides the tables")]
-    NotOwner,
-    #[error("writing the BPF maps failed: {0}")]
-    Map(i32),
-}
-
-impl TableError {
-    /// A lie or a bug of the sender, not a budget: the connection is closed.
-    pub fn is_malformed(&self) -> bool {
-        matches!(
-            self,
-            Self::Ragged | Self::Empty | Self::Unsorted(_) | Self::BadKind(_) | Self::BadOffset(_)
-        )
-    }
-}
-
-/// Checks the rows of one chunk, numbered from `first`; `prev_pc` is the last pc of
-/// the rows before it. Returns the last pc.
-pub fn check_rows(bytes: &[u8], first: u32, prev_pc: Option<u32>) -> Result<u32, TableError> {
-    if !bytes.len().is_multiple_of(ROW_BYTES) {
-        return Err(TableError::Ragged);
-    }
-    if bytes.is_empty() {
-        return Err(TableError::Empty);
-    }
-    let mut prev = prev_pc;
-    for (i, row) in bytes.chunks_exact(ROW_BYTES).enumerate() {
-        let n = first.saturating_add(i as u32);
-        let mut b = [0u8; ROW_BYTES];
-        b.copy_from_slice(row);
-        let r = Row::from_bytes(b);
-        if prev.is_some_and(|p| r.pc <= p) {
-            return Err(TableError::Unsorted(n));
-        }
-        prev = Some(r.pc);
-        if r.cfa >= row_kinds::CFA_KINDS || r.rbp >= row_kinds::RBP_KINDS || b[6] & 0x80 != 0 {
-            return Err(TableError::BadKind(n));
-        }
-        if !r.valid() {
-            return Err(TableError::BadOffset(n));
-        }
-    }
-    Ok(prev.unwrap_or(0))
-}
-
-/// Runs of the `rows` array: first fit, freed runs merged.
-#[derive(Debug)]
-pub struct Pool {
-    /// Free runs (first, len), sorted, never adjacent.
-    free: Vec<(u32, u32)>,
-    capacity: u32,
-}
-
-impl Pool {
-    pub fn new(capacity: u32) -> Self {
-        Self {
-            free: if capacity > 0 {
-                vec![(0, capacity)]
-            } else {
-                Vec::new()
-            },
-            capacity,
-        }
-    }
-
-    pub fn alloc(&mut self, n: u32) -> Option<u32> {
-        if n == 0 {
-            return None;
-        }
-        let i = self.free.iter().position(|&(_, len)| len >= n)?;
-        let (first, len) = self.free[i];
-        if len == n {
-            self.free.remove(i);
-        } else {
-            self.free[i] = (first + n, len - n);
-        }
-        Some(first)
-    }
-
-    pub fn release(&mut self, first: u32, n: u32) {
-        if n == 0 || first.checked_add(n).is_none_or(|end| end > self.capacity) {
-            return;
-        }
-        let i = self.free.partition_point(|&(f, _)| f < first);
-        self.free.insert(i, (first, n));
-        // Merge with the next, then with the previous.
-        if i + 1 < self.free.len() && first + n == self.free[i + 1].0 {
-            self.free[i].1 += self.free[i + 1].1;
-            self.free.remove(i + 1);
-        }
-        if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == first {
-            self.free[i - 1].1 += self.free[i].1;
-            self.free.remove(i);
-        }
-    }
-
-    pub fn free_rows(&self) -> u32 {
-        self.free.iter().map(|&(_, n)| n).sum()
     }
 }
 
@@ -486,21 +370,28 @@ impl Unwind {
             exec_id: key.exec_id,
             ..Default::default()
         };
-        let mut maps: Vec<&Mapping> = rec.mappings.iter().collect();
-        maps.sort_unstable_by_key(|m| m.start);
+        // Files, then anonymous code (inode 0), in one list sorted by start.
+        let mut maps: Vec<(u64, u64, u64, Option<FileKey>)> = rec
+            .mappings
+            .iter()
+            .map(|m| (m.start, m.end, m.offset, Some(FileKey::of(m))))
+            .chain(rec.code.iter().map(|&(s, e)| (s, e, 0, None)))
+            .collect();
+        maps.sort_unstable_by_key(|m| m.0);
         if maps.len() > MAX_MAPPINGS {
             bump(&c.unwind_mappings_truncated);
         }
         let mut files = Vec::new();
-        for (slot, m) in value.m.iter_mut().zip(maps.iter()) {
-            let f = FileKey::of(m);
-            slot.start = m.start;
-            slot.end = m.end;
-            slot.offset = m.offset;
-            slot.file.inode = f.inode;
-            slot.file.dev = f.dev;
-            if !files.contains(&f) {
-                files.push(f);
+        for (slot, &(start, end, offset, file)) in value.m.iter_mut().zip(maps.iter()) {
+            slot.start = start;
+            slot.end = end;
+            slot.offset = offset;
+            if let Some(f) = file {
+                slot.file.inode = f.inode;
+                slot.file.dev = f.dev;
+                if !files.contains(&f) {
+                    files.push(f);
+                }
             }
         }
         value.count = maps.len().min(MAX_MAPPINGS) as u32;
@@ -590,100 +481,4 @@ fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn row(pc: u32, cfa_offset: u16, cfa: u8, rbp: u8, rbp8: i8) -> [u8; 8] {
-        let mut r = [0u8; 8];
-        r[..4].copy_from_slice(&pc.to_le_bytes());
-        r[4..6].copy_from_slice(&cfa_offset.to_le_bytes());
-        r[6] = cfa | rbp << 4;
-        r[7] = rbp8 as u8;
-        r
-    }
-
-    fn rows(rs: &[[u8; 8]]) -> Vec<u8> {
-        rs.concat()
-    }
-
-    #[test]
-    fn good_rows_pass() {
-        let t = rows(&[
-            row(0x1000, 8, 1, 0, 0),
-            row(0x1001, 16, 1, 1, -2),
-            row(0x1004, 16, 2, 1, -2),
-            row(0x1010, 11, 3, 0, 0),
-            row(0x1020, 0, 6, 0, 0),
-            row(0x1030, 0, 0, 0, 0),
-        ]);
-        assert_eq!(check_rows(&t, 0, None), Ok(0x1030));
-        // A chunk continues after the previous chunk's last pc.
-        assert_eq!(
-            check_rows(&rows(&[row(0x1000, 8, 1, 0, 0)]), 6, Some(0x1000)),
-            Err(TableError::Unsorted(6))
-        );
-    }
-
-    #[test]
-    fn bad_rows_are_named() {
-        assert_eq!(check_rows(&[0u8; 7], 0, None), Err(TableError::Ragged));
-        assert_eq!(check_rows(&[], 0, None), Err(TableError::Empty));
-        let unsorted = rows(&[row(0x20, 8, 1, 0, 0), row(0x10, 8, 1, 0, 0)]);
-        assert_eq!(check_rows(&unsorted, 0, None), Err(TableError::Unsorted(1)));
-        let equal = rows(&[row(0x20, 8, 1, 0, 0), row(0x20, 8, 1, 0, 0)]);
-        assert_eq!(check_rows(&equal, 0, None), Err(TableError::Unsorted(1)));
-        assert_eq!(
-            check_rows(&row(0, 8, 7, 0, 0), 0, None),
-            Err(TableError::BadKind(0))
-        );
-        assert_eq!(
-            check_rows(&row(0, 8, 1, 3, 0), 0, None),
-            Err(TableError::BadKind(0))
-        );
-        // rsp + 0 would put the return address below the stack pointer.
-        assert_eq!(
-            check_rows(&row(0, 0, 1, 0, 0), 0, None),
-            Err(TableError::BadOffset(0))
-        );
-        // A saved rbp above the CFA, or an offset on a kind without one.
-        assert_eq!(
-            check_rows(&row(0, 16, 1, 1, 1), 0, None),
-            Err(TableError::BadOffset(0))
-        );
-        assert_eq!(
-            check_rows(&row(0, 16, 1, 0, -2), 0, None),
-            Err(TableError::BadOffset(0))
-        );
-        assert_eq!(
-            check_rows(&row(0, 17, 3, 0, 0), 0, None),
-            Err(TableError::BadOffset(0))
-        );
-        assert_eq!(
-            check_rows(&row(0, 8, 6, 0, 0), 0, None),
-            Err(TableError::BadOffset(0))
-        );
-        assert!(TableError::Unsorted(3).is_malformed());
-        assert!(!TableError::NoRoom { rows: 1 }.is_malformed());
-    }
-
-    #[test]
-    fn the_pool_reuses_and_merges_runs() {
-        let mut p = Pool::new(100);
-        let a = p.alloc(40).unwrap();
-        let b = p.alloc(40).unwrap();
-        assert_eq!((a, b), (0, 40));
-        assert_eq!(p.alloc(30), None);
-        p.release(a, 40);
-        assert_eq!(p.alloc(30), Some(0));
-        p.release(0, 30);
-        p.release(b, 40);
-        assert_eq!(p.free_rows(), 100);
-        assert_eq!(p.free, vec![(0, 100)], "merged back into one run");
-        p.release(90, 20);
-        assert_eq!(p.free_rows(), 100, "a run past the end is ignored");
-        assert_eq!(Pool::new(0).alloc(1), None);
-    }
 }

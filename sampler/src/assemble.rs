@@ -155,7 +155,8 @@ pub fn assemble(
             start_ns: raw.start_ns,
             exec_id: raw.exec_id,
         };
-        let process_id = table.observe(key, &raw.comm, &user, round, counters);
+        let left_code = crate::unwind::ends::outside_mappings(raw.unwind_end);
+        let process_id = table.observe(key, &raw.comm, (&user, left_code), round, counters);
         if let Some(k) = table.get(key) {
             processes.insert(
                 process_id,
