@@ -233,6 +233,8 @@ struct firn_unwind_state {
 	__u32 end;
 	__u8 bp_known;
 	__u8 exact_pc;             /* pc is where execution stopped, not a return address */
+	__u8 fp_why;               /* the last frame was walked by frame pointers, for this
+				    * firn_unwind_end (0: by a row) */
 	/* The mapping of the last frame and its table: consecutive frames are mostly in
 	 * one binary, so most frames skip two hash lookups and the mapping search. */
 	__u8 cached;               /* 0: nothing cached; else enum firn_mapping_kind */
@@ -396,10 +398,11 @@ static long unwind_step(__u32 i, void *data)
 	}
 	kind = find_mapping(st, pc);
 	if (len > 0 && kind >= MAPPING_NONE) {
-		/* A return address outside every executable mapping of the process: a wrong
-		 * table or frame pointer, or code mapped after its record was read (the
-		 * sampler reads the mappings again on this end). Not recorded. */
-		st->end = FIRN_END_BAD_FRAME;
+		/* A return address outside every executable mapping of the process: not
+		 * recorded. Reached by frame pointers (no row), the walk ended for the reason
+		 * it had no row; reached by a row, the row was wrong or the code was mapped
+		 * after the record was read (the sampler reads the mappings again). */
+		st->end = st->fp_why ? st->fp_why : FIRN_END_BAD_FRAME;
 		return 1;
 	}
 	st->stack.frames[len] = pc;
@@ -423,6 +426,7 @@ static long unwind_step(__u32 i, void *data)
 		why = find_row(st, st->exact_pc ? pc : pc - 1, &row);
 	st->exact_pc = 0;
 	sp = st->sp;
+	st->fp_why = why;
 	if (why != 0) {
 		/* Frame pointers: [rbp] is the caller's rbp, [rbp + 8] the return address. */
 		bump(FIRN_CTR_FP_FRAMES);
@@ -491,12 +495,16 @@ static long unwind_step(__u32 i, void *data)
 	if (rbp_kind == FIRN_RBP_AT_CFA) {
 		__u64 slot = cfa + (__s64)row.rbp_offset8 * 8;
 
-		if (slot < sp || read_user(&bp, slot)) {
-			st->end = FIRN_END_BAD_FRAME;
-			return 1;
+		/* Below the stack pointer lies dead stack, never read. A real row says so
+		 * only just after an epilogue's pop, when rbp already holds that value. */
+		if (slot >= sp) {
+			if (read_user(&bp, slot)) {
+				st->end = FIRN_END_BAD_FRAME;
+				return 1;
+			}
+			st->bp = bp;
+			st->bp_known = 1;
 		}
-		st->bp = bp;
-		st->bp_known = 1;
 	} else if (rbp_kind != FIRN_RBP_SAME) {
 		st->bp_known = 0;
 	}
@@ -543,6 +551,7 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 	st->end = FIRN_END_COMPLETE;
 	st->bp_known = 1;
 	st->exact_pc = 1;
+	st->fp_why = 0;
 	/* Seeded, and per process: equal frames of two processes are two stacks. */
 	st->hash = mix(mix(hash_seed ^ 0xcbf29ce484222325ULL,
 			   (__u64)key->tgid << 32 | key->exec_id), key->start_ns);

@@ -127,7 +127,9 @@ impl sampler::Server for SamplerImpl {
             let sub = self.shared.hub.add(key);
             bump(&self.shared.counters.subscriptions);
             tracing::info!(subscriber = sub.id, "subscribed");
-            tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
+            let sender =
+                tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
+            self.conn.sender.replace(Some(sender.abort_handle()));
             let mut r = results.get();
             r.set_broker_key(&key);
             let server = SubscriptionImpl {

@@ -67,6 +67,10 @@ pub struct Shared {
 pub(crate) struct Conn {
     kill: Notify,
     subscribed: Cell<bool>,
+    /// The subscription's batch sender: it holds the subscriber's sink, so it must
+    /// end with the connection, or a connection the sampler closed would keep its
+    /// subscription (and its tables) alive, waiting on a push that never returns.
+    sender: RefCell<Option<tokio::task::AbortHandle>>,
     flooded: Cell<bool>,
     calls: RefCell<TokenBucket>,
     info_calls: RefCell<TokenBucket>,
@@ -77,6 +81,7 @@ impl Default for Conn {
         Self {
             kill: Notify::new(),
             subscribed: Cell::new(false),
+            sender: RefCell::new(None),
             flooded: Cell::new(false),
             calls: RefCell::new(TokenBucket::new(CALL_RATE, CALL_BURST)),
             info_calls: RefCell::new(TokenBucket::new(INFO_RATE, INFO_BURST)),
@@ -244,6 +249,9 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
                 "a client stopped reading its answers; closing its connection"
             );
         }
+    }
+    if let Some(sender) = conn.sender.take() {
+        sender.abort();
     }
     done(&shared);
 }
