@@ -60,7 +60,7 @@ impl batch_sink::Server for Sink {
                 }
                 seen.samples += s.get_count();
                 seen.frames
-                    .extend(s.get_user_frames().into_iter().flatten().map(|f| f));
+                    .extend(s.get_user_frames().into_iter().flatten());
                 let end = format!("{:?}", s.get_user_stack_end().ok());
                 *seen.ends.entry(end).or_default() += s.get_count();
             }
