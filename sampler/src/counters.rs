@@ -125,6 +125,6 @@ counters! {
     unwind_tables_refused_budget: "unwind tables refused: over the table limit or no room in the pool",
     unwind_tables_refused_unknown: "unwind table chunks for a process or mapping this subscription was not sent",
     unwind_tables_refused_other: "unwind table chunks refused: out of order, another owner, disabled, rate or map errors",
-    unwind_mappings_truncated: "processes with more executable mappings than the unwinder holds (64; frames in the rest end their stack)",
+    unwind_mappings_truncated: "processes with more executable mappings than the unwinder holds (60; frames in the rest end their stack)",
     unwind_procmaps_failed: "process mappings the sampler could not write into the BPF map",
 }

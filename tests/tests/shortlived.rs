@@ -298,3 +298,71 @@ fn a_full_ring_buffer_is_counted_and_survived() {
     );
     assert!(f.sampler.running() && f.enricher.as_mut().is_some_and(Proc::running));
 }
+
+/// Another local user's children, 10 a second, each mapping 31 files whose path is
+/// longer than the sampler keeps (2,100 directories deep) and 31 kept but 1,000 deep:
+/// none of those paths is walked (they could not be the mapped file, and walking them
+/// per process would take the sampler's time), so the unrelated churn beside it is
+/// read and attributed as it is alone.
+#[test]
+fn deep_paths_of_another_user_do_not_blind_discovery() {
+    if !can_run_bpf() {
+        return;
+    }
+    let exes = churn_binaries(20);
+    let (uid, gid) = test_user("firn-deep");
+    let tree = TempDir::new("deep-tree");
+    nix::unistd::chown(
+        tree.path(),
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(gid)),
+    )
+    .expect("chown the tree to the user");
+    let mut f = Firn::start("deep", ROUND);
+    let mut cmd = Command::new("setpriv");
+    cmd.args([
+        &format!("--reuid={uid}"),
+        &format!("--regid={gid}"),
+        "--clear-groups",
+    ])
+    .arg(compile("deepmap.c", "deepmap", &[]))
+    .args(["26", "10", "2100", "1000", "31"])
+    .arg(tree.path());
+    let mut attacker = Proc::spawn("deepmap", cmd);
+    assert!(
+        attacker.wait_for("ready", 120 * SECS).is_some(),
+        "the deep tree was not built"
+    );
+    let started = churn(&exes, 20, 50, 20);
+    let a = settled(&f);
+    let gone = f.metric("firn_sampler_processes_gone").unwrap_or(-1.0);
+    let unwalkable = f
+        .metric("firn_sampler_binary_handles_unwalkable")
+        .unwrap_or(0.0);
+    let walk_ms = f.metric("firn_sampler_binary_handle_ns").unwrap_or(0.0) / 1e6;
+    eprintln!(
+        "beside deep paths: {started} churn processes, attributed {:.1} %, symbolized \
+         {:.1} %; processes gone before read {gone}; paths not walked {unwalkable}; \
+         {walk_ms:.0} ms spent taking handles",
+        100.0 * a.share(a.attributed),
+        100.0 * a.share(a.symbolized)
+    );
+    assert!(unwalkable > 0.0, "the deep paths were not seen");
+    assert!(a.total >= 500, "too few churn samples to judge: {a:?}");
+    assert_eq!(
+        a.wrong, 0,
+        "samples labelled with another executable: {a:?}"
+    );
+    assert!(
+        a.share(a.attributed) >= 0.95 && a.share(a.symbolized) >= 0.95,
+        "attribution beside deep paths: {a:?}"
+    );
+    // Processes gone before they were read: every user's, the attacker's included (its
+    // children live 50 ms). Alone, the churn loses about 1 in 800.
+    assert!(
+        gone <= (started as f64 + 260.0) * 0.02,
+        "{gone} processes were gone before they could be read"
+    );
+    let _ = attacker.stop();
+    assert!(f.sampler.running());
+}

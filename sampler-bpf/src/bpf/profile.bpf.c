@@ -106,7 +106,7 @@ struct {
 	__type(value, struct firn_table);
 } tables SEC(".maps");
 
-/* tgid → executable mappings of the process. Not preallocated (4 KiB a process). */
+/* tgid → executable mappings of the process. Not preallocated (2 KiB a process). */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 16384);
@@ -301,16 +301,17 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 	if (lo == 0)
 		return MAPPING_NONE;
 	idx = lo - 1;
-	if (idx >= FIRN_MAX_MAPPINGS || pc >= pm->m[idx].end)
+	if (idx >= FIRN_MAX_MAPPINGS || pc - pm->m[idx].start >= (__u64)pm->m[idx].pages << 12)
 		return MAPPING_NONE;
 	st->c_start = pm->m[idx].start;
-	st->c_end = pm->m[idx].end;
-	st->c_offset = pm->m[idx].offset;
-	file = pm->m[idx].file;
-	if (file.inode == 0) {
+	st->c_end = pm->m[idx].start + ((__u64)pm->m[idx].pages << 12);
+	st->c_offset = (__u64)pm->m[idx].offset_pages << 12;
+	if (pm->m[idx].inode == 0) {
 		st->cached = MAPPING_ANON;
 		return MAPPING_ANON;
 	}
+	file.inode = pm->m[idx].inode;
+	file.dev = pm->m[idx].dev;
 	file.reserved = 0;
 	t = bpf_map_lookup_elem(&tables, &file);
 	if (!t) {

@@ -132,14 +132,20 @@ struct firn_table {
 	__u32 count;
 };
 
-#define FIRN_MAX_MAPPINGS 64
+/* A process's executable mappings fit a 2 KiB allocation (the map is not preallocated:
+ * the kernel hands out elements in power-of-two sizes, so 64 mappings of 40 bytes took
+ * 4 KiB a process). */
+#define FIRN_MAX_MAPPINGS 60
 
 struct firn_mapping {
 	__u64 start;
-	__u64 end;
-	__u64 offset;             /* file offset of `start` */
-	struct firn_file_key file; /* inode 0: anonymous executable memory (JIT, vDSO) */
+	__u32 pages;              /* length, in 4 KiB pages */
+	__u32 offset_pages;       /* file offset of `start`, in pages */
+	__u64 inode;              /* 0: anonymous executable memory (JIT, vDSO) */
+	__u32 dev;                /* major << 20 | minor */
+	__u32 reserved;
 };
+_Static_assert(sizeof(struct firn_mapping) == 32, "firn_mapping is 32 bytes");
 
 /* The executable mappings of one process (its files', then anonymous executable
  * ranges and the vDSO), sorted by start. Every frame above the leaf must lie in one. */
@@ -149,6 +155,7 @@ struct firn_proc_maps {
 	__u32 count;
 	struct firn_mapping m[FIRN_MAX_MAPPINGS];
 };
+_Static_assert(sizeof(struct firn_proc_maps) <= 2048 - 64, "a 2 KiB element with its header");
 
 /* One process as the program tells them apart: pid reuse changes start_ns, exec
  * changes exec_id. Key of the `seen` LRU map. */

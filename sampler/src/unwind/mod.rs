@@ -39,7 +39,10 @@ pub const DEFAULT_TABLE_ROWS: u32 = 1 << 20;
 /// Files with a table at once (`tables` map entries).
 pub const MAX_TABLES: usize = 4096;
 /// Executable mappings of a process the unwinder sees (`FIRN_MAX_MAPPINGS`).
-pub const MAX_MAPPINGS: usize = 64;
+pub const MAX_MAPPINGS: usize = 60;
+const _: () = assert!(
+    std::mem::size_of::<firn_sampler_bpf::types::firn_proc_maps>() == 16 + MAX_MAPPINGS * 32
+);
 /// Rows per map-update command.
 const WRITE_BATCH: usize = 8192;
 
@@ -382,19 +385,32 @@ impl Unwind {
             bump(&c.unwind_mappings_truncated);
         }
         let mut files = Vec::new();
-        for (slot, &(start, end, offset, file)) in value.m.iter_mut().zip(maps.iter()) {
+        let mut kept = 0;
+        for &(start, end, offset, file) in &maps {
+            // Mappings and file offsets are whole pages; a length or offset past what
+            // 32 bits of pages hold (16 TiB) is no real mapping's.
+            let (Ok(pages), Ok(offset_pages)) = (
+                u32::try_from((end - start) >> 12),
+                u32::try_from(offset >> 12),
+            ) else {
+                continue;
+            };
+            let Some(slot) = value.m.get_mut(kept) else {
+                break;
+            };
+            kept += 1;
             slot.start = start;
-            slot.end = end;
-            slot.offset = offset;
+            slot.pages = pages;
+            slot.offset_pages = offset_pages;
             if let Some(f) = file {
-                slot.file.inode = f.inode;
-                slot.file.dev = f.dev;
+                slot.inode = f.inode;
+                slot.dev = f.dev;
                 if !files.contains(&f) {
                     files.push(f);
                 }
             }
         }
-        value.count = maps.len().min(MAX_MAPPINGS) as u32;
+        value.count = kept as u32;
         // SAFETY: key is a u32 tgid; value a whole firn_proc_maps, both live for the call.
         let ret = unsafe {
             libbpf_sys::bpf_map_update_elem(
