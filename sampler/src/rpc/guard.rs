@@ -329,3 +329,99 @@ impl FromServer<Guarded<subscription::ServerDispatch<SubscriptionImpl>>> for sub
         GuardedDispatch(s)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Msg(capnp::message::Builder<capnp::message::HeapAllocator>);
+
+    impl IncomingMessage for Msg {
+        fn get_body(&self) -> capnp::Result<capnp::any_pointer::Reader<'_>> {
+            self.0.get_root_as_reader()
+        }
+    }
+
+    fn msg(fill: impl FnOnce(message::Builder<'_>)) -> Msg {
+        let mut b = capnp::message::Builder::new_default();
+        fill(b.init_root::<message::Builder<'_>>());
+        Msg(b)
+    }
+
+    fn bootstrap(q: u32) -> Msg {
+        msg(|m| m.init_bootstrap().set_question_id(q))
+    }
+
+    fn call(q: u32) -> Msg {
+        msg(|m| m.init_call().set_question_id(q))
+    }
+
+    fn finish(q: u32) -> Msg {
+        msg(|m| m.init_finish().set_question_id(q))
+    }
+
+    #[test]
+    fn one_bootstrap_per_connection() {
+        let c = Rc::new(Counters::default());
+        let b = MessageBudget::new(c.clone());
+        assert!(b.check(&bootstrap(0)).is_ok());
+        assert!(b.check(&bootstrap(1)).is_err());
+        assert_eq!(c.rpc_bootstraps_refused.get(), 1);
+        assert!(b.refused().is_some());
+        // Once refused, nothing more is taken.
+        assert!(b.check(&finish(0)).is_err());
+        assert_eq!(c.rpc_bootstraps_refused.get(), 1, "counted once");
+    }
+
+    #[test]
+    fn unfinished_calls_are_bounded_and_finish_frees_them() {
+        let c = Rc::new(Counters::default());
+        let b = MessageBudget::new(c.clone());
+        for q in 0..MAX_QUESTIONS as u32 {
+            assert!(b.check(&call(q)).is_ok());
+        }
+        // Finishing one makes room for one; a reused id in flight is refused.
+        assert!(b.check(&finish(7)).is_ok());
+        assert!(b.check(&call(7)).is_ok());
+        assert!(b.check(&call(100_000)).is_err());
+        assert_eq!(c.rpc_questions_refused.get(), 1);
+        let b = MessageBudget::new(c.clone());
+        assert!(b.check(&call(1)).is_ok());
+        assert!(b.check(&call(1)).is_err(), "question id in use");
+        assert_eq!(c.rpc_messages_refused.get(), 1);
+    }
+
+    #[test]
+    fn three_party_and_embargo_messages_close() {
+        for m in [
+            msg(|m| {
+                m.init_provide().set_question_id(1);
+            }),
+            msg(|m| {
+                m.init_accept().set_question_id(1);
+            }),
+            msg(|m| {
+                m.init_join().set_question_id(1);
+            }),
+            msg(|m| {
+                m.init_disembargo().init_context().set_sender_loopback(1);
+            }),
+        ] {
+            let c = Rc::new(Counters::default());
+            let b = MessageBudget::new(c.clone());
+            assert!(b.check(&m).is_err());
+            assert_eq!(c.rpc_messages_refused.get(), 1);
+        }
+    }
+
+    #[test]
+    fn a_message_flood_closes() {
+        let c = Rc::new(Counters::default());
+        let b = MessageBudget::new(c.clone());
+        let refused = (0..MESSAGE_BURST as u32 + 10)
+            .map(|_| b.check(&finish(0)))
+            .any(|r| r.is_err());
+        assert!(refused);
+        assert_eq!(c.message_floods.get(), 1);
+    }
+}
