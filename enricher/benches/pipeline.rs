@@ -18,9 +18,9 @@ use std::sync::Arc;
 use blazesym::inspect::source::{Elf as InspectElf, Source as InspectSource};
 use blazesym::inspect::Inspector;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use firn_enricher::metrics::Metrics;
-use firn_enricher::profile::{encode_gz, Builder, Frame, MappingSpec, StackSample};
-use firn_enricher::symbolize::{BinaryId, Limits, Symbolizer};
+use firn_enricher::Metrics;
+use firn_enricher::{encode_gz, Frame, MappingSpec, PprofBuilder as Builder, StackSample};
+use firn_enricher::{BinaryId, SymbolLimits as Limits, Symbolizer};
 
 struct Rng(u64);
 impl Rng {
@@ -109,7 +109,7 @@ fn bench(c: &mut Criterion) {
                     let root = msg
                         .get_root::<firn_schema::firn_capnp::batch::Reader>()
                         .expect("root");
-                    firn_enricher::batch::decode(root)
+                    firn_enricher::decode_batch(root)
                         .expect("decode")
                         .samples
                         .len()
@@ -191,7 +191,7 @@ fn bench(c: &mut Criterion) {
         });
         // The upload sinks' extra work per round: the OTLP request (its own encoding
         // and dictionary) and Parca's WriteRaw (which wraps the pprof above).
-        let round = firn_enricher::enrich::Round {
+        let round = firn_enricher::Round {
             session_id: 1,
             round: 1,
             start_ns: 0,
@@ -199,17 +199,16 @@ fn bench(c: &mut Criterion) {
             frequency_hz: 19,
             stacks: stack_samples.clone(),
         };
-        let groups =
-            firn_enricher::encode::groups(&round, firn_enricher::encode::ProfileBy::Process);
+        let groups = firn_enricher::encodings::groups(&round, firn_enricher::ProfileBy::Process);
         g.bench_function(BenchmarkId::new("upload_otlp_encode", n), |b| {
-            b.iter(|| firn_enricher::upload::otlp::encode(&round, &groups).map_or(0, |v| v.len()))
+            b.iter(|| firn_enricher::encodings::otlp(&round, &groups).map_or(0, |v| v.len()))
         });
-        let encoded = firn_enricher::encode::per_label_set(&round, &groups);
+        let encoded = firn_enricher::encodings::per_label_set(&round, &groups);
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
-            b.iter(|| firn_enricher::upload::parca::encode(&encoded).map_or(0, |v| v.len()))
+            b.iter(|| firn_enricher::encodings::parca(&encoded).map_or(0, |v| v.len()))
         });
-        let stems = firn_enricher::encode::file_stems(&groups);
-        let format = firn_enricher::upload::opensearch::Format {
+        let layout = firn_enricher::encodings::RoundLayout::new(&round, &groups);
+        let format = firn_enricher::encodings::OpenSearchFormat {
             index_prefix: "firn-profiles".into(),
             max_stacks: 2_000,
             max_bytes: 4 << 20,
@@ -217,12 +216,12 @@ fn bench(c: &mut Criterion) {
         };
         g.bench_function(BenchmarkId::new("upload_opensearch_encode", n), |b| {
             b.iter(|| {
-                firn_enricher::upload::opensearch::encode(&round, &groups, &stems, &format)
+                firn_enricher::encodings::opensearch(&round, &groups, &layout, &format)
                     .map_or(0, |(v, _)| v.len())
             })
         });
         let (os_bytes, os_enc) =
-            firn_enricher::upload::opensearch::encode(&round, &groups, &stems, &format)
+            firn_enricher::encodings::opensearch(&round, &groups, &layout, &format)
                 .unwrap_or_default();
         println!(
             "round of {n} stacks: OpenSearch _bulk {} bytes, {} profile and {} stack documents, {} stacks left out",
@@ -234,10 +233,11 @@ fn bench(c: &mut Criterion) {
         // The web view's query over the window at its bound: 20,000 stacks (the 10k
         // round twice, as two rounds).
         if n == 10_000 {
-            let q = firn_enricher::view::Query::parse(&Default::default()).expect("default query");
+            let q = firn_enricher::encodings::ViewQuery::parse(&Default::default())
+                .expect("default query");
             let rounds: Vec<_> = (0..2u64)
                 .map(|i| {
-                    std::sync::Arc::new(firn_enricher::enrich::Round {
+                    std::sync::Arc::new(firn_enricher::Round {
                         session_id: 1,
                         round: i + 1,
                         start_ns: i * 10_000_000_000,
@@ -247,11 +247,11 @@ fn bench(c: &mut Criterion) {
                     })
                 })
                 .collect();
-            let json = |r: &[std::sync::Arc<firn_enricher::enrich::Round>]| {
-                let v = firn_enricher::view::build(r, &q, 0, 20_000_000_000, false);
+            let json = |r: &[std::sync::Arc<firn_enricher::Round>]| {
+                let v = firn_enricher::encodings::view(r, &q, 0, 20_000_000_000, false);
                 serde_json::to_vec(&v).map_or(0, |j| j.len())
             };
-            let v = firn_enricher::view::build(&rounds, &q, 0, 20_000_000_000, false);
+            let v = firn_enricher::encodings::view(&rounds, &q, 0, 20_000_000_000, false);
             println!(
                 "view of 20,000 stacks: {} bytes of JSON, {} stacks cut short at the node bound, {} nodes folded",
                 json(&rounds),
@@ -262,7 +262,7 @@ fn bench(c: &mut Criterion) {
                 b.iter(|| json(&rounds))
             });
         }
-        let otlp = firn_enricher::upload::otlp::encode(&round, &groups).map_or(0, |v| v.len());
+        let otlp = firn_enricher::encodings::otlp(&round, &groups).map_or(0, |v| v.len());
         let pprof = encoded.iter().map(|e| e.gz.len()).sum::<usize>();
         println!("round of {n} stacks: OTLP request {otlp} bytes, gzip pprof {pprof} bytes");
         g.finish();

@@ -28,7 +28,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("unwind_table_build");
     g.sample_size(10);
     for (path, data) in inputs() {
-        let t = firn_enricher::unwind::build(&data).expect("a table");
+        let t = firn_enricher::build_unwind_table(&data).expect("a table");
         let name = std::path::Path::new(&path)
             .file_name()
             .map_or(path.clone(), |n| n.to_string_lossy().into_owned());
@@ -41,7 +41,9 @@ fn bench(c: &mut Criterion) {
             t.unsupported
         );
         g.throughput(Throughput::Bytes(data.len() as u64));
-        g.bench_function(name, |b| b.iter(|| firn_enricher::unwind::build(&data)));
+        g.bench_function(name, |b| {
+            b.iter(|| firn_enricher::build_unwind_table(&data))
+        });
     }
     g.finish();
 }

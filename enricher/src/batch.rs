@@ -83,6 +83,8 @@ pub struct Batch {
     pub kernel_symbols: Vec<String>,
     pub counters: Vec<(String, u64)>,
     pub forgotten_processes: Vec<u64>,
+    /// Unwind tables the sampler evicted, in all.
+    pub tables_evicted: u64,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -234,6 +236,7 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         end_time_ns: b.get_end_time_ns(),
         frequency_hz: b.get_frequency_hz(),
         dropped_batches: b.get_dropped_batches(),
+        tables_evicted: b.get_unwind_tables_evicted(),
         processes,
         samples,
         kernel_symbols,

@@ -1,21 +1,45 @@
-//! firn-enricher as a library: the binary (`src/main.rs`) wires these stages together;
-//! the benchmarks drive them directly.
+//! firn-enricher as a library: [`main`] runs it (`src/main.rs` is only its entry); the
+//! benchmarks, fuzz targets and tests drive the stages through the re-exports below.
 
-pub mod batch;
-pub mod broker;
-pub mod cli;
-pub mod client;
-pub mod config;
-pub mod encode;
-pub mod enrich;
-pub mod http;
-pub mod labels;
-pub mod metrics;
-pub mod processes;
-pub mod profile;
-pub mod sinks;
-pub mod summary;
-pub mod symbolize;
-pub mod unwind;
-pub mod upload;
-pub mod view;
+mod batch;
+mod broker;
+mod client;
+mod credentials;
+mod enrich;
+mod labels;
+mod metrics;
+mod model;
+mod output;
+mod pprof;
+mod processes;
+mod run;
+mod settings;
+mod summary;
+mod symbolize;
+mod unwind;
+
+pub use run::main;
+
+// What the benchmarks, fuzz targets and tests drive.
+pub use batch::decode as decode_batch;
+pub use enrich::Enricher;
+pub use labels::cgroup;
+pub use labels::relabel;
+pub use labels::{Labeler, System};
+pub use metrics::Metrics;
+pub use model::{BinaryId, Frame, LabelSet, Line, Lines, MappingSpec, Round, StackSample};
+pub use pprof::{encode_gz, Builder as PprofBuilder};
+pub use settings::file::{parse as parse_config, Labeling, Parsed as ParsedConfig};
+pub use settings::ProfileBy;
+pub use symbolize::{panic_is_contained, Limits as SymbolLimits, Symbolizer};
+pub use unwind::build as build_unwind_table;
+
+/// The encodings of a round, as the outputs make them.
+pub mod encodings {
+    pub use crate::output::group::{groups, per_label_set, Encoded, Groups};
+    pub use crate::output::http::view::{build as view, Query as ViewQuery};
+    pub use crate::output::layout::RoundLayout;
+    pub use crate::output::opensearch::{encode as opensearch, Format as OpenSearchFormat};
+    pub use crate::output::otlp::encode as otlp;
+    pub use crate::output::parca::encode as parca;
+}

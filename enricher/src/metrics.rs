@@ -25,7 +25,7 @@ macro_rules! metrics {
             /// Named frames in the symbolizer's frame cache (gauge).
             pub symbol_frames_cached: AtomicU64,
             /// Delivery counters of the upload sinks (OTLP, Parca).
-            pub sinks: Mutex<Vec<std::sync::Arc<crate::upload::SinkMetrics>>>,
+            pub sinks: Mutex<Vec<std::sync::Arc<SinkMetrics>>>,
         }
 
         impl Metrics {
@@ -54,7 +54,7 @@ macro_rules! metrics {
                     let _ = writeln!(out, "firn_enricher_{name} {}", v.load(Ordering::Relaxed));
                 }
                 if let Ok(s) = self.sinks.lock() {
-                    crate::upload::SinkMetrics::render(&s, &mut out);
+                    SinkMetrics::render(&s, &mut out);
                 }
                 if let Ok(s) = self.sampler.lock() {
                     for (name, value) in s.iter() {
@@ -141,5 +141,76 @@ impl Metrics {
 
     pub fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+macro_rules! sink_metrics {
+    ($($name:ident: $kind:literal, $help:literal,)*) => {
+        /// Delivery counters of one sink, rendered with a `sink` label on `/metrics`.
+        #[derive(Default)]
+        pub struct SinkMetrics {
+            pub sink: &'static str,
+            $(#[doc = $help] pub $name: AtomicU64,)*
+        }
+
+        impl SinkMetrics {
+            pub fn new(sink: &'static str) -> Self {
+                Self { sink, ..Default::default() }
+            }
+
+            /// Prometheus text for every sink; HELP and TYPE once per metric.
+            pub fn render(all: &[std::sync::Arc<SinkMetrics>], out: &mut String) {
+                if all.is_empty() {
+                    return;
+                }
+                $(
+                    let name = if $kind == "counter" {
+                        format!("firn_enricher_upload_{}_total", stringify!($name))
+                    } else {
+                        format!("firn_enricher_upload_{}", stringify!($name))
+                    };
+                    let _ = writeln!(out, "# HELP {name} {}", $help);
+                    let _ = writeln!(out, "# TYPE {name} {}", $kind);
+                    for m in all {
+                        let _ = writeln!(out, "{name}{{sink=\"{}\"}} {}", m.sink, m.$name.load(Ordering::Relaxed));
+                    }
+                )*
+            }
+        }
+    };
+}
+
+sink_metrics! {
+    requests_sent: "counter", "requests the backend accepted (one per round)",
+    bytes_sent: "counter", "bytes of accepted requests",
+    retries: "counter", "send attempts that failed and will be retried (backend down, slow, overloaded)",
+    rejected: "counter", "requests the backend refused as invalid (dropped, not retried)",
+    profiles_rejected: "counter", "profiles an OTLP backend reported as rejected in a partial success",
+    dropped: "counter", "requests dropped unsent: the oldest past the spool bound, or unwritable to the spool",
+    spooled: "counter", "requests written to the on-disk spool",
+    spool_errors: "counter", "spool writes or reads that failed (disk full, I/O error)",
+    encode_ns: "counter", "nanoseconds spent encoding rounds for this sink (in the round loop)",
+    documents_sent: "counter", "documents OpenSearch accepted (its _bulk answer, item by item)",
+    documents_rejected: "counter", "documents OpenSearch refused for what they hold (mapping errors; dropped, not retried)",
+    documents_retried: "counter", "documents OpenSearch asked to send again (429, 5xx items)",
+    queue_requests: "gauge", "requests waiting in memory",
+    queue_bytes: "gauge", "bytes waiting in memory",
+    spool_requests: "gauge", "requests waiting in the on-disk spool",
+    spool_bytes: "gauge", "bytes waiting in the on-disk spool",
+    last_success_seconds: "gauge", "Unix time of the last accepted request (0: none yet)",
+    failing: "gauge", "1 while the backend is failing (requests wait and are retried)",
+}
+
+impl SinkMetrics {
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn set(c: &AtomicU64, n: u64) {
+        c.store(n, Ordering::Relaxed);
     }
 }

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 
 use crate::batch::{Mapping, Process};
-use crate::symbolize::BinaryId;
+use crate::model::BinaryId;
 
 /// Processes kept at most (the sampler's own bound); past it the least recently
 /// sampled goes.
@@ -55,12 +55,6 @@ impl Entry {
         let i = self.sorted.partition_point(|(_, m)| m.start <= addr);
         let (idx, m) = self.sorted.get(i.checked_sub(1)?)?;
         (addr < m.end).then_some((*idx, m))
-    }
-
-    /// File name of the executable, for the `executable` label.
-    pub fn executable(&self) -> &str {
-        let exe = self.record.exe.trim_end_matches(" (deleted)");
-        exe.rsplit('/').next().unwrap_or(exe)
     }
 }
 
@@ -130,9 +124,5 @@ impl ProcessTable {
 
     pub fn len(&self) -> usize {
         self.by_id.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_id.is_empty()
     }
 }

@@ -2,7 +2,7 @@
 //! process that can rename its cgroups) through the cgroup label parser.
 #![no_main]
 
-use firn_enricher::labels::cgroup;
+use firn_enricher::cgroup;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

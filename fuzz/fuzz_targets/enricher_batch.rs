@@ -4,12 +4,9 @@
 
 use std::sync::Arc;
 
-use firn_enricher::batch;
-use firn_enricher::encode::{groups, per_label_set, ProfileBy};
-use firn_enricher::enrich::Enricher;
-use firn_enricher::labels::{Labeler, System};
-use firn_enricher::metrics::Metrics;
-use firn_enricher::symbolize::{Limits, Symbolizer};
+use firn_enricher::encodings::{groups, per_label_set};
+use firn_enricher::{decode_batch, Enricher, Labeler, Metrics, ProfileBy, Symbolizer, System};
+use firn_enricher::SymbolLimits as Limits;
 use firn_schema::firn_capnp;
 use libfuzzer_sys::fuzz_target;
 
@@ -23,7 +20,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(root) = msg.get_root::<firn_capnp::batch::Reader>() else {
         return;
     };
-    let Ok(b) = batch::decode(root) else {
+    let Ok(b) = decode_batch(root) else {
         return;
     };
     let metrics = Arc::new(Metrics::default());
@@ -34,7 +31,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let labeler = Labeler::new(Vec::new(), Vec::new(), system);
     let mut enricher = Enricher::new(Symbolizer::new(Limits { binaries: 8, ..Limits::default() }, metrics.clone()), labeler, metrics);
-    let round = futures::executor::block_on(enricher.handle(b, None));
+    let round = enricher.handle_offline(b);
     for by in [ProfileBy::Process, ProfileBy::Container] {
         for e in per_label_set(&round, &groups(&round, by)) {
             assert!(e.samples >= 0);

@@ -5,15 +5,14 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use firn_enricher::config;
-use firn_enricher::labels::relabel;
+use firn_enricher::{parse_config, relabel};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    let Ok((_file, labeling)) = config::parse(text, Path::new("fuzz.yaml")) else {
+    let Ok(parsed) = parse_config(text, Path::new("fuzz.yaml")) else {
         return;
     };
     let labels: BTreeMap<String, String> = [
@@ -28,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     .into_iter()
     .map(|(k, v)| (k.to_string(), v.to_string()))
     .collect();
-    if let Some(out) = relabel::apply(&labeling.rules, labels) {
+    if let Some(out) = relabel::apply(&parsed.labeling.rules, labels) {
         let _ = relabel::finish(out);
     }
 });

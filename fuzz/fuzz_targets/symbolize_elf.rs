@@ -7,8 +7,7 @@
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use firn_enricher::metrics::Metrics;
-use firn_enricher::symbolize::{Limits, Symbolizer};
+use firn_enricher::{Metrics, SymbolLimits as Limits, Symbolizer};
 use libfuzzer_sys::fuzz_target;
 
 fn memfd(data: &[u8]) -> OwnedFd {
@@ -28,7 +27,7 @@ fuzz_target!(
         // outcome; any other panic still aborts for libFuzzer to report.
         let abort = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if !firn_enricher::symbolize::panic_is_contained() {
+            if !firn_enricher::panic_is_contained() {
                 abort(info);
             }
         }));

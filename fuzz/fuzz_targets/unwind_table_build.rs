@@ -7,7 +7,7 @@ use firn_schema::unwind_row::Row;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(t) = firn_enricher::unwind::build(data) {
+    if let Ok(t) = firn_enricher::build_unwind_table(data) {
         assert!(t.rows.iter().all(Row::valid));
         assert!(t.rows.windows(2).all(|w| w[0].pc < w[1].pc));
     }

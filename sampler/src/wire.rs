@@ -8,6 +8,7 @@ pub struct BatchMeta<'a> {
     pub session_id: u64,
     pub frequency_hz: u32,
     pub dropped_batches: u64,
+    pub tables_evicted: u64,
     pub counters: &'a [(&'static str, u64)],
 }
 
@@ -54,6 +55,7 @@ pub fn fill_batch(
     b.set_end_time_ns(round.end_time_ns);
     b.set_frequency_hz(meta.frequency_hz);
     b.set_dropped_batches(meta.dropped_batches);
+    b.set_unwind_tables_evicted(meta.tables_evicted);
     fill_counters(
         b.reborrow().init_counters(len32(meta.counters.len())),
         meta.counters,

@@ -130,6 +130,9 @@ struct Batch {
   forgottenProcesses @10 :List(UInt64);
   # Process ids the sampler forgot (the process exited): later ids are new processes,
   # and these records may be dropped once the samples above are handled.
+  unwindTablesEvicted @11 :UInt64;
+  # Unwind tables the sampler removed to make room, in all (cumulative): a subscriber
+  # that sent tables sends those again when their files are mapped again.
 }
 
 struct Process {

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::batch::Process;
-use crate::profile::LabelSet;
+use crate::model::LabelSet;
 use relabel::{Labels, Rule, RuleConfig};
 
 /// The built-in relabel set: the visible labels users filter and sum by. A user

@@ -30,6 +30,7 @@ use blazesym::symbolize::{CodeInfo, Input, Sym, Symbolized};
 use nix::sys::stat::fstat;
 
 use crate::metrics::Metrics;
+use crate::model::{BinaryId, Line, Lines};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SymError {
@@ -58,30 +59,6 @@ pub fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
     CONTAINED.with(|c| c.set(outer));
     r.ok()
 }
-
-/// Identity of a binary: its build id when it has one, else the file's identity.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum BinaryId {
-    BuildId(Vec<u8>),
-    File {
-        dev: u64,
-        ino: u64,
-        size: i64,
-        mtime: i64,
-    },
-}
-
-/// One pprof line: a function (possibly inlined) at a source position.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Line {
-    pub function: Arc<str>,
-    pub file: Arc<str>,
-    pub line: u32,
-}
-
-/// The lines of one frame, innermost (most deeply inlined) first, the function that
-/// holds the code last (pprof's order).
-pub type Lines = Arc<[Line]>;
 
 /// Memory bounds of the symbolizer. Parsed DWARF is most of the enricher's memory: a
 /// binary's debug sections are mapped and read whole, and its function and line
@@ -516,17 +493,6 @@ fn separate_debug_bytes(build_id: &[u8]) -> u64 {
 
 pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// The bytes of a hex string (None: odd length or not hex).
-pub(crate) fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 fn file_of(ci: Option<&CodeInfo<'_>>) -> (Arc<str>, u32) {

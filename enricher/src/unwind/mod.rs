@@ -6,7 +6,7 @@ pub mod build;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 
-pub use build::{build, BuildError, Source, Table};
+pub use build::{build, BuildError, Table};
 
 /// Largest file a table is built from (the file is mapped, not read).
 const MAX_FILE_BYTES: u64 = 2 << 30;
@@ -53,6 +53,7 @@ impl Sent {
         self.evicted = evicted;
     }
 
+    #[cfg(test)]
     pub fn loaded(&self) -> usize {
         self.by_file
             .values()

@@ -125,6 +125,7 @@ pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: bat
             session_id: shared.identity.session_id,
             frequency_hz: shared.identity.frequency_hz,
             dropped_batches: sub.dropped.get(),
+            tables_evicted: c.unwind_tables_evicted.get(),
             counters: &counters,
         };
         let mut req = sink.push_request();

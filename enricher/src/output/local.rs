@@ -10,11 +10,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use crate::enrich::Round;
+use super::{layout, Published, Sink};
 use crate::metrics::Metrics;
+use crate::model::Round;
 
 #[derive(Debug, thiserror::Error)]
-pub enum SinkError {
+enum SinkError {
     #[error("{what} {path}: {source}")]
     Io {
         what: &'static str,
@@ -33,46 +34,67 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     }
 }
 
-pub struct Settings {
-    pub dir: PathBuf,
-    pub max_bytes: u64,
-    pub max_age: Duration,
+struct Settings {
+    dir: PathBuf,
+    max_bytes: u64,
+    max_age: Duration,
     /// Rounds are skipped while the filesystem has less free space than this.
-    pub min_free_bytes: u64,
+    min_free_bytes: u64,
 }
 
 /// One profile to write: its label set and gzip pprof bytes.
-pub struct Item {
-    pub labels: Arc<crate::profile::LabelSet>,
-    pub samples: i64,
-    pub gz: Arc<Vec<u8>>,
-    pub name: String,
+struct Item<'a> {
+    labels: &'a crate::model::LabelSet,
+    samples: i64,
+    gz: &'a [u8],
+    name: String,
 }
 
-pub struct LocalSink {
+struct LocalSink {
     s: Settings,
     metrics: Arc<Metrics>,
     failing: bool,
 }
 
-impl LocalSink {
-    pub fn new(s: Settings, metrics: Arc<Metrics>) -> Self {
-        Self {
-            s,
-            metrics,
-            failing: false,
-        }
-    }
+pub(super) fn start(s: &crate::settings::Settings, metrics: &Arc<Metrics>) -> Box<dyn Sink> {
+    Box::new(LocalSink {
+        s: Settings {
+            dir: s.output_dir.clone(),
+            max_bytes: s.retention_size,
+            max_age: s.retention_age,
+            min_free_bytes: s.min_free,
+        },
+        metrics: metrics.clone(),
+        failing: false,
+    })
+}
 
+impl Sink for LocalSink {
+    fn round(&mut self, p: &Published<'_>) {
+        let items: Vec<Item<'_>> = p
+            .profiles
+            .iter()
+            .map(|e| Item {
+                labels: &e.labels,
+                samples: e.samples,
+                gz: &e.gz,
+                name: p.layout.file(e.group),
+            })
+            .collect();
+        self.write_round(p.round, p.layout.folder(), &items);
+    }
+}
+
+impl LocalSink {
     /// Writes one round; on failure nothing of it remains. Then applies retention. A
     /// round without samples writes nothing (an idle machine would leave a folder per
     /// round holding an empty index).
-    pub fn write_round(&mut self, round: &Round, items: &[Item]) {
+    fn write_round(&mut self, round: &Round, folder: &str, items: &[Item<'_>]) {
         let written = if items.is_empty() {
             Metrics::inc(&self.metrics.rounds_empty);
             None
         } else {
-            Some(self.try_write(round, items))
+            Some(self.try_write(round, folder, items))
         };
         match written {
             None => {}
@@ -111,7 +133,12 @@ impl LocalSink {
         Ok(st.blocks_available() as u64 * st.fragment_size() as u64)
     }
 
-    fn try_write(&self, round: &Round, items: &[Item]) -> Result<PathBuf, SinkError> {
+    fn try_write(
+        &self,
+        round: &Round,
+        name: &str,
+        items: &[Item<'_>],
+    ) -> Result<PathBuf, SinkError> {
         std::fs::create_dir_all(&self.s.dir).map_err(io("creating", &self.s.dir))?;
         let need: u64 = items.iter().map(|i| i.gz.len() as u64).sum::<u64>() + 64 * 1024;
         let free = self.free_bytes()?;
@@ -122,14 +149,13 @@ impl LocalSink {
                 min: self.s.min_free_bytes,
             });
         }
-        let name = round_dir(round);
         let tmp = self.s.dir.join(format!(".tmp-{name}"));
         let result = (|| {
             std::fs::create_dir(&tmp).map_err(io("creating", &tmp))?;
             let mut index = String::new();
             for item in items {
                 let path = tmp.join(&item.name);
-                std::fs::write(&path, item.gz.as_slice()).map_err(io("writing", &path))?;
+                std::fs::write(&path, item.gz).map_err(io("writing", &path))?;
                 let labels: serde_json::Map<String, serde_json::Value> = item
                     .labels
                     .iter()
@@ -151,7 +177,7 @@ impl LocalSink {
             }
             let idx = tmp.join("index.jsonl");
             std::fs::write(&idx, index).map_err(io("writing", &idx))?;
-            let fin = self.s.dir.join(&name);
+            let fin = self.s.dir.join(name);
             std::fs::rename(&tmp, &fin).map_err(io("renaming into", &fin))?;
             Ok(fin)
         })();
@@ -174,7 +200,7 @@ impl LocalSink {
                 let _ = std::fs::remove_dir_all(&path);
                 continue;
             }
-            if !path.is_dir() || !is_round_name(&name) {
+            if !path.is_dir() || !layout::is_round_folder(&name) {
                 continue;
             }
             let size = std::fs::read_dir(&path)
@@ -205,56 +231,5 @@ impl LocalSink {
             }
         }
         Ok(())
-    }
-}
-
-fn is_round_name(n: &str) -> bool {
-    n.len() > 17 && n.as_bytes()[8] == b'T' && n.contains("Z-r")
-}
-
-/// `YYYYMMDDTHHMMSSZ` of a Unix time in ns.
-/// The folder of one round under --output-dir.
-pub fn round_dir(round: &Round) -> String {
-    format!("{}-r{:06}", utc_stamp(round.start_ns), round.round)
-}
-
-pub fn utc_stamp(ns: u64) -> String {
-    let secs = (ns / 1_000_000_000) as i64;
-    let days = secs.div_euclid(86_400);
-    let rem = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
-}
-
-/// Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, u32, u32) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stamps() {
-        assert_eq!(utc_stamp(0), "19700101T000000Z");
-        // 2026-11-29T10:56:35Z
-        assert_eq!(utc_stamp(1_795_949_795_000_000_000), "20261129T105635Z");
-        assert!(is_round_name("20261129T105635Z-r000001"));
-        assert!(!is_round_name(".tmp-20261129T105635Z-r000001"));
     }
 }

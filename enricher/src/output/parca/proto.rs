@@ -79,7 +79,6 @@ pub const DEBUGINFO_TYPE_EXECUTABLE: i32 = 1;
 pub const BUILD_ID_TYPE_GNU: i32 = 1;
 /// `UploadInstructions.UploadStrategy`.
 pub const UPLOAD_STRATEGY_GRPC: i32 = 1;
-pub const UPLOAD_STRATEGY_SIGNED_URL: i32 = 2;
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]

@@ -5,75 +5,10 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::sync::Arc;
 
+use crate::model::{Frame, LabelSet, MappingSpec, StackSample};
+
 use pprof::protos::{Function, Label, Line, Location, Mapping, Profile, Sample, ValueType};
 use prost::Message;
-
-use crate::symbolize::Lines;
-
-/// A mapping of a process as pprof shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct MappingSpec {
-    pub start: u64,
-    pub limit: u64,
-    pub offset: u64,
-    pub file: Arc<str>,
-    /// Hex build id, or empty.
-    pub build_id: Arc<str>,
-    pub symbolized: bool,
-}
-
-#[derive(Debug, Clone)]
-pub enum Frame {
-    /// A user frame: its address, its mapping when one contains it, and its lines
-    /// when it was symbolized (an unsymbolized frame keeps address and mapping only).
-    User {
-        mapping: Option<Arc<MappingSpec>>,
-        address: u64,
-        lines: Option<Lines>,
-    },
-    /// A kernel frame, named by the sampler.
-    Kernel(Arc<str>),
-}
-
-/// The names one frame stands for, callers first: its inline chain, a kernel symbol, or
-/// `file+0xoffset` for code no symbol names (the web view and OpenSearch show these).
-pub fn frame_names(f: &Frame, out: &mut Vec<Arc<str>>) {
-    match f {
-        Frame::Kernel(name) => out.push(name.clone()),
-        Frame::User {
-            lines: Some(lines), ..
-        } => out.extend(lines.iter().rev().map(|l| l.function.clone())),
-        Frame::User {
-            mapping, address, ..
-        } => {
-            let name = match mapping {
-                Some(m) => {
-                    let base = m.file.rsplit('/').next().unwrap_or(&m.file);
-                    format!(
-                        "{base}+{:#x}",
-                        address.wrapping_sub(m.start).wrapping_add(m.offset)
-                    )
-                }
-                None => format!("{address:#x}"),
-            };
-            out.push(Arc::from(name.as_str()));
-        }
-    }
-}
-
-/// Labels, sorted by name.
-pub type LabelSet = Vec<(String, String)>;
-
-/// One stack of one label set with its sample count.
-#[derive(Debug, Clone)]
-pub struct StackSample {
-    /// The sampler's id of the process (profiles per process group by it).
-    pub process_id: u64,
-    pub labels: Arc<LabelSet>,
-    /// Leaf first.
-    pub frames: Arc<[Frame]>,
-    pub count: u64,
-}
 
 const KERNEL_MAPPING: &str = "[kernel.kallsyms]";
 

@@ -1,4 +1,8 @@
-//! Command-line flags of `firn-enricher`.
+//! Every setting of `firn-enricher`, each defined once: its flag, environment variable,
+//! default and help here; its key in the YAML file (`--config`, see [`file`]) is the
+//! flag's name with `_` for `-`, read through the same parser.
+
+pub(crate) mod file;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -6,14 +10,49 @@ use std::time::Duration;
 
 use clap::Parser;
 
+/// What one profile covers (`--profile-by`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum ProfileBy {
+    /// One profile per process.
+    #[default]
+    Process,
+    /// One per container: processes of a container merge (labels naming a process —
+    /// pid, comm, executable — are left out).
+    Container,
+    /// One per final label set: processes with equal labels merge.
+    Labels,
+}
+
+/// How OTLP requests travel (`--otlp-compression`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Default, clap::ValueEnum)]
+pub enum Compression {
+    /// gRPC gzip: a round's request shrinks several times (its dictionary is text).
+    #[default]
+    Gzip,
+    None,
+}
+
+/// Which binaries go to Parca's debuginfo service (`--debuginfo-upload`).
+#[derive(Clone, Copy, PartialEq, Eq, Default, Debug, clap::ValueEnum)]
+pub enum DebuginfoMode {
+    /// No upload.
+    Off,
+    /// Binaries whose frames firn could not name.
+    #[default]
+    On,
+    /// Every binary with a build id that the server lacks.
+    All,
+}
+
 /// firn's unprivileged half: subscribes to firn-sampler over its Unix socket, obtains
 /// the binaries it needs through the sampler's broker, symbolizes every stack, and
 /// writes one pprof per process per round to a local directory, served on HTTP too.
 ///
-/// Every flag can also be set through the environment variable shown.
+/// Every flag can also be set through the environment variable shown, or in the YAML
+/// file of --config by its name with `_` for `-` (flags and variables win over it).
 #[derive(Debug, Parser)]
 #[command(name = "firn-enricher", version, about, long_about)]
-pub struct Args {
+pub struct Settings {
     /// The sampler's socket.
     #[arg(long, env = "FIRN_SOCKET", default_value = "/run/firn/sampler.sock")]
     pub socket: PathBuf,
@@ -76,16 +115,28 @@ pub struct Args {
     #[arg(long, env = "FIRN_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
-    /// A header for every OTLP request, as KEY=VALUE (e.g. authorization=Bearer …);
-    /// repeatable. Values are never logged.
-    #[arg(long = "otlp-header", env = "FIRN_OTLP_HEADERS", value_delimiter = ',')]
+    /// A header for every OTLP request, as KEY=VALUE; repeatable. Values are never
+    /// logged, but a command line is readable by every local user: put credentials
+    /// (authorization, API keys) in --otlp-headers-file instead.
+    #[arg(
+        long = "otlp-header",
+        env = "FIRN_OTLP_HEADERS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub otlp_headers: Vec<String>,
+
+    /// File of headers for every OTLP request, one KEY=VALUE a line (e.g.
+    /// `authorization=Bearer …`); read at start and on SIGHUP, never logged. It must
+    /// not be readable by group or others (systemd: LoadCredential=).
+    #[arg(long, env = "FIRN_OTLP_HEADERS_FILE")]
+    pub otlp_headers_file: Option<PathBuf>,
 
     /// Compression of OTLP requests on the wire: gzip (what the OpenTelemetry
     /// Collector and other receivers accept) or none.
     #[arg(long, env = "FIRN_OTLP_COMPRESSION", value_enum,
-          default_value_t = crate::upload::Compression::Gzip)]
-    pub otlp_compression: crate::upload::Compression,
+          default_value_t = Compression::Gzip)]
+    pub otlp_compression: Compression,
 
     /// PEM CA certificate(s) to verify an https:// OTLP endpoint with, instead of the
     /// system's roots.
@@ -102,7 +153,7 @@ pub struct Args {
     pub parca_insecure: bool,
 
     /// File holding the bearer token for Parca (e.g. Polar Signals Cloud). Read at
-    /// start and on SIGHUP; never logged.
+    /// start and on SIGHUP; never logged. It must not be readable by group or others.
     #[arg(long, env = "FIRN_PARCA_BEARER_TOKEN_FILE")]
     pub parca_bearer_token_file: Option<PathBuf>,
 
@@ -115,8 +166,8 @@ pub struct Args {
     /// could not name (stripped), `all` every binary with a build id the server lacks,
     /// `off` none.
     #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD", value_enum,
-          default_value_t = crate::upload::debuginfo::Mode::On)]
-    pub debuginfo_upload: crate::upload::debuginfo::Mode,
+          default_value_t = DebuginfoMode::On)]
+    pub debuginfo_upload: DebuginfoMode,
 
     /// Debuginfo uploads at once.
     #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD_CONCURRENCY", default_value_t = 2,
@@ -152,6 +203,7 @@ pub struct Args {
     pub opensearch_username: Option<String>,
 
     /// File holding the OpenSearch password. Read at start and on SIGHUP; never logged.
+    /// It must not be readable by group or others.
     #[arg(long, env = "FIRN_OPENSEARCH_PASSWORD_FILE")]
     pub opensearch_password_file: Option<PathBuf>,
 
@@ -202,8 +254,8 @@ pub struct Args {
 
     /// What one profile covers: each process, each container, or each distinct final
     /// label set (processes whose labels are equal after relabeling merge).
-    #[arg(long, env = "FIRN_PROFILE_BY", value_enum, default_value_t = crate::encode::ProfileBy::Process)]
-    pub profile_by: crate::encode::ProfileBy,
+    #[arg(long, env = "FIRN_PROFILE_BY", value_enum, default_value_t = ProfileBy::Process)]
+    pub profile_by: ProfileBy,
 
     /// YAML config: any setting below by its name (`output_dir`, `retention_size`, …),
     /// plus `relabel_configs` (Prometheus semantics over the `__meta_*` labels; replaces
@@ -244,7 +296,7 @@ pub struct Args {
 }
 
 /// `1GiB`, `200MiB`, `64KiB`, `1G`, `5MB`, or plain bytes.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -268,7 +320,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 }
 
 /// `90s`, `30m`, `24h`, `7d`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
@@ -286,7 +338,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 /// OpenSearch index names: lowercase, no `\\/*?"<>| ,#:`, not starting with `-_+`.
-pub fn index_prefix(s: &str) -> Result<String, String> {
+pub(crate) fn index_prefix(s: &str) -> Result<String, String> {
     let ok = !s.is_empty()
         && s.len() <= 200
         && !s.starts_with(['-', '_', '+'])

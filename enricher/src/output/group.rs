@@ -4,8 +4,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::enrich::Round;
-use crate::profile::{self, LabelSet};
+use crate::model::{LabelSet, Round};
+use crate::pprof;
+use crate::settings::ProfileBy;
 
 pub struct Encoded {
     /// Its index in the round's [`Groups`].
@@ -13,20 +14,6 @@ pub struct Encoded {
     pub labels: Arc<LabelSet>,
     pub samples: i64,
     pub gz: Arc<Vec<u8>>,
-}
-
-/// What one profile covers (`--profile-by`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ProfileBy {
-    /// One profile per process.
-    #[default]
-    Process,
-    /// One per container: processes of a container merge (labels naming a process —
-    /// pid, comm, executable — are left out).
-    Container,
-    /// One per final label set: processes with equal labels merge.
-    Labels,
 }
 
 const PROCESS_LABELS: &[&str] = &["pid", "comm", "executable", "thread_id", "thread_name"];
@@ -67,7 +54,7 @@ pub fn groups(round: &Round, by: ProfileBy) -> Groups {
 pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
     let mut out = Vec::with_capacity(groups.len());
     for (group, (labels, idx)) in groups.iter().enumerate() {
-        let mut b = profile::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
+        let mut b = pprof::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));
         }
@@ -77,15 +64,15 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
                 b.add(s);
             } else {
                 // Merged group: the samples carry the group's labels.
-                b.add(&profile::StackSample {
+                b.add(&crate::model::StackSample {
                     labels: labels.clone(),
                     ..s.clone()
                 });
             }
         }
         let p = b.finish();
-        let samples = profile::sample_count(&p);
-        match profile::encode_gz(&p) {
+        let samples = pprof::sample_count(&p);
+        match pprof::encode_gz(&p) {
             Ok(gz) => out.push(Encoded {
                 group,
                 labels: labels.clone(),
@@ -96,27 +83,4 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
         }
     }
     out
-}
-
-/// The file stem of each group's profile within its round: `pid-<pid>`, or `set` when
-/// the labels have no pid (`--profile-by container`), numbered when taken twice (a pid
-/// reused within a round is two processes).
-pub fn file_stems(groups: &Groups) -> Vec<String> {
-    let mut taken: HashMap<String, u32> = HashMap::new();
-    groups
-        .iter()
-        .map(|(labels, _)| {
-            let base = labels
-                .iter()
-                .find(|(k, _)| k == "pid")
-                .map_or_else(|| "set".to_string(), |(_, v)| format!("pid-{v}"));
-            let n = taken.entry(base.clone()).or_insert(0);
-            *n += 1;
-            if *n == 1 {
-                base
-            } else {
-                format!("{base}-{n}")
-            }
-        })
-        .collect()
 }

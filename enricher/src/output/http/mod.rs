@@ -18,9 +18,12 @@ use axum::routing::get;
 use axum::Router;
 use firn_schema::now_ns;
 
-use crate::enrich::Round;
+pub(crate) mod view;
+
+use super::{layout, Published, Sink};
 use crate::metrics::Metrics;
-use crate::profile::{self, LabelSet};
+use crate::model::{LabelSet, Round};
+use crate::pprof as profile;
 
 /// How far back `/pprof/cpu` can reach.
 pub const MAX_WINDOW: Duration = Duration::from_secs(3600);
@@ -59,17 +62,24 @@ pub struct Shared {
     profiling: AtomicBool,
     /// The local sink's directory, for `/rounds/<round>/<file>` (the OpenSearch
     /// documents' pprof links).
-    pub output_dir: std::sync::OnceLock<std::path::PathBuf>,
+    output_dir: std::path::PathBuf,
 }
 
 impl Shared {
-    pub fn new(metrics: Arc<Metrics>) -> Arc<Self> {
+    pub fn new(metrics: Arc<Metrics>, output_dir: std::path::PathBuf) -> Arc<Self> {
         Arc::new(Self {
             metrics,
             inner: Mutex::new(Inner::default()),
             profiling: AtomicBool::new(false),
-            output_dir: std::sync::OnceLock::new(),
+            output_dir,
         })
+    }
+
+    /// The sampler's round length (for /healthz's idea of a stale batch).
+    pub fn set_round_seconds(&self, secs: u32) {
+        if let Ok(mut g) = self.inner.lock() {
+            g.round_seconds = secs;
+        }
     }
 
     /// Publishes a finished round: its profiles replace those of the same label sets,
@@ -110,6 +120,30 @@ impl Shared {
     }
 }
 
+/// The sink that publishes each round to the HTTP endpoints.
+pub(crate) fn sink(state: &Arc<Shared>) -> Box<dyn Sink> {
+    Box::new(HttpSink(state.clone()))
+}
+
+struct HttpSink(Arc<Shared>);
+
+impl Sink for HttpSink {
+    fn round(&mut self, p: &Published<'_>) {
+        let latest = p
+            .profiles
+            .iter()
+            .map(|e| Latest {
+                id: p.layout.id(e.group),
+                labels: e.labels.clone(),
+                samples: e.samples,
+                round: p.round.round,
+                gz: e.gz.clone(),
+            })
+            .collect();
+        self.0.publish(p.round.clone(), latest);
+    }
+}
+
 pub fn router(state: Arc<Shared>) -> Router {
     Router::new()
         .route("/", get(page))
@@ -146,7 +180,7 @@ async fn page(State(s): State<Arc<Shared>>) -> Response {
             (header::CONTENT_TYPE, "text/html; charset=utf-8"),
             (header::CONTENT_SECURITY_POLICY, CSP),
         ],
-        crate::view::PAGE,
+        view::PAGE,
     )
         .into_response()
 }
@@ -155,7 +189,7 @@ async fn script(State(s): State<Arc<Shared>>) -> Response {
     count(&s);
     (
         [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
-        crate::view::SCRIPT,
+        view::SCRIPT,
     )
         .into_response()
 }
@@ -164,7 +198,7 @@ async fn style(State(s): State<Arc<Shared>>) -> Response {
     count(&s);
     (
         [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
-        crate::view::STYLE,
+        view::STYLE,
     )
         .into_response()
 }
@@ -172,7 +206,7 @@ async fn style(State(s): State<Arc<Shared>>) -> Response {
 /// The page's query: the window's call tree, top functions, CPU per round, processes.
 async fn view(State(s): State<Arc<Shared>>, Query(q): Query<HashMap<String, String>>) -> Response {
     count(&s);
-    let q = match crate::view::Query::parse(&q) {
+    let q = match view::Query::parse(&q) {
         Ok(q) => q,
         Err(e) => return (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
     };
@@ -190,8 +224,7 @@ async fn view(State(s): State<Arc<Shared>>, Query(q): Query<HashMap<String, Stri
         Err(_) => return StatusCode::INTERNAL_SERVER_ERROR.into_response(),
     };
     // The tree of 20,000 stacks takes milliseconds; off the event loop all the same.
-    let built =
-        tokio::task::spawn_blocking(move || crate::view::build(&rounds, &q, from, now, shortened));
+    let built = tokio::task::spawn_blocking(move || view::build(&rounds, &q, from, now, shortened));
     match built.await {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
@@ -277,27 +310,9 @@ async fn round_file(
     Path((round, file)): Path<(String, String)>,
 ) -> Response {
     count(&s);
-    let round_ok = round.len() <= 40
-        && round.split_once("Z-r").is_some_and(|(stamp, n)| {
-            stamp.len() == 15
-                && stamp.as_bytes()[8] == b'T'
-                && stamp
-                    .bytes()
-                    .enumerate()
-                    .all(|(i, b)| i == 8 || b.is_ascii_digit())
-                && !n.is_empty()
-                && n.bytes().all(|b| b.is_ascii_digit())
-        });
-    let file_ok = file.len() <= 64
-        && file.strip_suffix(".pb.gz").is_some_and(|stem| {
-            !stem.is_empty()
-                && stem
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        });
-    let Some(dir) = s.output_dir.get() else {
-        return (StatusCode::NOT_FOUND, "no local profile directory\n").into_response();
-    };
+    let round_ok = layout::is_round_folder(&round);
+    let file_ok = layout::is_profile_file(&file);
+    let dir = &s.output_dir;
     if !round_ok || !file_ok {
         return (
             StatusCode::BAD_REQUEST,

@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
-use crate::enrich::Round;
-use crate::profile::StackSample;
+use crate::model::Round;
+use crate::model::StackSample;
 
 pub const PAGE: &str = include_str!("page.html");
 pub const SCRIPT: &str = include_str!("app.js");
@@ -145,7 +145,7 @@ pub struct View {
 type Summing = (Option<(String, String)>, BTreeMap<u64, u64>);
 
 /// The value of label `k` in a label set.
-fn label<'a>(l: &'a crate::profile::LabelSet, k: &str) -> Option<&'a str> {
+fn label<'a>(l: &'a crate::model::LabelSet, k: &str) -> Option<&'a str> {
     l.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
 }
 
@@ -155,7 +155,7 @@ fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
     out.clear();
     out.push(Arc::from(label(&s.labels, "comm").unwrap_or("?")));
     for f in s.frames.iter().rev() {
-        crate::profile::frame_names(f, out);
+        crate::model::frame_names(f, out);
     }
 }
 
@@ -329,9 +329,9 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
         .map_or(0, |r| 1_000_000_000 / u64::from(r.frequency_hz.max(1)));
     // Label work is per distinct label set (processes share one `Arc`), not per stack:
     // samples of each set in the whole window, and per round for the kept ones.
-    let mut all_sets: IdMap<usize, (Arc<crate::profile::LabelSet>, u64)> = IdMap::default();
+    let mut all_sets: IdMap<usize, (Arc<crate::model::LabelSet>, u64)> = IdMap::default();
     let mut kept_sets: IdMap<usize, (bool, BTreeMap<u64, u64>)> = IdMap::default();
-    let mut kept_labels: IdMap<usize, Arc<crate::profile::LabelSet>> = IdMap::default();
+    let mut kept_labels: IdMap<usize, Arc<crate::model::LabelSet>> = IdMap::default();
     for r in rounds {
         for s in &r.stacks {
             let key = Arc::as_ptr(&s.labels) as *const u8 as usize;
@@ -383,7 +383,7 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
             }
         }
     }
-    let get = |l: &crate::profile::LabelSet, k: &str| label(l, k).map(str::to_string);
+    let get = |l: &crate::model::LabelSet, k: &str| label(l, k).map(str::to_string);
     for (labels, count) in all_sets.values() {
         if node.is_empty() {
             node = get(labels, "node").unwrap_or_default();
@@ -529,8 +529,8 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::profile::{Frame, LabelSet};
-    use crate::symbolize::Line;
+    use crate::model::Line;
+    use crate::model::{Frame, LabelSet};
 
     fn stack(pid: &str, comm: &str, fns: &[&str], count: u64) -> StackSample {
         let labels: Arc<LabelSet> = Arc::new(vec![

@@ -18,29 +18,31 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use super::{SendError, SinkMetrics};
+mod spool;
 
+use crate::metrics::{Metrics, SinkMetrics};
+use crate::settings::Settings;
+use spool::Spool;
+
+/// Why a request did not arrive.
 #[derive(Debug, thiserror::Error)]
-pub enum SpoolError {
-    #[error("{what} {path}: {source}")]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("a request of {size} bytes is larger than the whole spool ({max} bytes)")]
-    TooLarge { size: u64, max: u64 },
+pub(crate) enum SendError {
+    /// The backend is down, slow or overloaded: keep the request and try again later.
+    #[error("{0} (will retry)")]
+    Retry(String),
+    /// The backend refused this request for what it holds: sending it again cannot
+    /// help, so it is dropped and counted.
+    #[error("{0} (rejected, not retried)")]
+    Reject(String),
 }
 
-fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SpoolError + 'a {
-    move |source| SpoolError::Io {
-        what,
-        path: path.to_path_buf(),
-        source,
-    }
+/// A request's id: the round's end time and number, zero-padded so that ids sort in
+/// delivery order (the spool's delivered mark compares them).
+pub(crate) fn request_id(end_ns: u64, round: u64) -> String {
+    format!("{end_ns:020}-{round:08}")
 }
 
-/// One request: its id (see [`super::request_id`]) and its encoded bytes.
+/// One request: its id (see [`request_id`]) and its encoded bytes.
 #[derive(Clone)]
 pub struct Request {
     pub id: String,
@@ -63,124 +65,6 @@ pub struct Limits {
     /// First wait after a failure; it doubles up to `backoff_max`.
     pub backoff_min: Duration,
     pub backoff_max: Duration,
-}
-
-/// The on-disk spool: one file per request, named by its id.
-struct Spool {
-    dir: PathBuf,
-    max_bytes: u64,
-    entries: VecDeque<(String, u64)>,
-    bytes: u64,
-    delivered: Option<String>,
-}
-
-const SUFFIX: &str = ".req";
-
-impl Spool {
-    /// Opens (creating) the spool; requests at or below the delivered mark and half-written
-    /// files are removed.
-    fn open(dir: &Path, max_bytes: u64) -> Result<Spool, SpoolError> {
-        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
-        let mark = dir.join("delivered");
-        let delivered = std::fs::read_to_string(&mark)
-            .ok()
-            .map(|s| s.trim().to_string())
-            .filter(|s| !s.is_empty());
-        let mut entries = Vec::new();
-        for e in std::fs::read_dir(dir)
-            .map_err(io("listing", dir))?
-            .flatten()
-        {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".tmp-") {
-                let _ = std::fs::remove_file(e.path());
-                continue;
-            }
-            let Some(id) = name.strip_suffix(SUFFIX) else {
-                continue;
-            };
-            if delivered.as_deref().is_some_and(|d| id <= d) {
-                let _ = std::fs::remove_file(e.path());
-                continue;
-            }
-            let size = e.metadata().map(|m| m.len()).unwrap_or(0);
-            entries.push((id.to_string(), size));
-        }
-        entries.sort();
-        let bytes = entries.iter().map(|e| e.1).sum();
-        Ok(Spool {
-            dir: dir.to_path_buf(),
-            max_bytes,
-            entries: entries.into(),
-            bytes,
-            delivered,
-        })
-    }
-
-    fn path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("{id}{SUFFIX}"))
-    }
-
-    /// Writes a request; the oldest spooled requests make room. Returns how many were
-    /// removed for room (to be counted as dropped, whether the write then succeeded).
-    fn push(&mut self, r: &Request) -> (usize, Result<(), SpoolError>) {
-        let size = r.body.len() as u64;
-        if size > self.max_bytes {
-            let e = SpoolError::TooLarge {
-                size,
-                max: self.max_bytes,
-            };
-            return (0, Err(e));
-        }
-        let mut evicted = 0;
-        while self.bytes + size > self.max_bytes {
-            let Some((id, _)) = self.entries.front().cloned() else {
-                break;
-            };
-            self.remove(&id);
-            evicted += 1;
-        }
-        let tmp = self.dir.join(format!(".tmp-{}", r.id));
-        let fin = self.path(&r.id);
-        let written = std::fs::write(&tmp, r.body.as_slice())
-            .map_err(io("writing", &tmp))
-            .and_then(|()| std::fs::rename(&tmp, &fin).map_err(io("renaming", &fin)));
-        if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
-            return (evicted, Err(e));
-        }
-        self.entries.push_back((r.id.clone(), size));
-        self.bytes += size;
-        (evicted, Ok(()))
-    }
-
-    fn read(&self, id: &str) -> Result<Vec<u8>, SpoolError> {
-        let p = self.path(id);
-        std::fs::read(&p).map_err(io("reading", &p))
-    }
-
-    fn remove(&mut self, id: &str) -> bool {
-        let Some(i) = self.entries.iter().position(|e| e.0 == id) else {
-            return false;
-        };
-        if let Some((_, size)) = self.entries.remove(i) {
-            self.bytes -= size;
-        }
-        let _ = std::fs::remove_file(self.path(id));
-        true
-    }
-
-    fn mark_delivered(&mut self, id: &str) -> Result<(), SpoolError> {
-        if self.delivered.as_deref().is_some_and(|d| d >= id) {
-            return Ok(());
-        }
-        let tmp = self.dir.join(".tmp-delivered");
-        let fin = self.dir.join("delivered");
-        std::fs::write(&tmp, id).map_err(io("writing", &tmp))?;
-        std::fs::rename(&tmp, &fin).map_err(io("renaming", &fin))?;
-        self.delivered = Some(id.to_string());
-        Ok(())
-    }
 }
 
 struct Queue {
@@ -445,6 +329,73 @@ impl Delivery {
     }
 }
 
+impl Delivery {
+    /// Starts the sink `name`'s delivery through `transport`, on the settings' limits,
+    /// spooling under `<spool dir>/<name>`; its counters join `/metrics`.
+    pub(crate) fn start(
+        name: &'static str,
+        s: &Settings,
+        metrics: &Metrics,
+        sink: Arc<SinkMetrics>,
+        transport: Rc<dyn Transport>,
+    ) -> Rc<Self> {
+        if let Ok(mut all) = metrics.sinks.lock() {
+            all.push(sink.clone());
+        }
+        let limits = Limits {
+            memory_bytes: s.upload_memory,
+            spool_bytes: s.upload_spool_size,
+            call_timeout: s.upload_timeout,
+            backoff_min: Duration::from_secs(1).min(s.upload_backoff_max),
+            backoff_max: s.upload_backoff_max,
+        };
+        let dir = spool_dir(s, name);
+        let d = Delivery::new(name, &dir, limits, sink);
+        tokio::task::spawn_local(d.clone().run(transport));
+        d
+    }
+
+    /// Queues the encoding of a round (none when there was nothing to send), counting
+    /// the time the encoding took since `started`.
+    pub(crate) fn push_round(
+        &self,
+        round: &crate::model::Round,
+        body: Option<Vec<u8>>,
+        started: std::time::Instant,
+    ) {
+        SinkMetrics::add(
+            &self.metrics.encode_ns,
+            u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+        if let Some(body) = body {
+            self.push(Request {
+                id: request_id(round.end_ns, round.round),
+                body: Arc::new(body),
+            });
+        }
+    }
+
+    /// At shutdown: a healthy backend gets up to `grace` to take what waits (a request
+    /// cut off in flight could arrive twice after a restart); what is left goes to the
+    /// spool for the next run.
+    pub(crate) async fn shutdown(&self, grace: Duration) {
+        let until = std::time::Instant::now() + grace;
+        while self.draining() && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.flush_to_spool();
+    }
+}
+
+/// The spool folder of sink `name`: `--upload-spool-dir`, else `.spool` under
+/// `--output-dir`.
+pub(crate) fn spool_dir(s: &Settings, name: &str) -> PathBuf {
+    s.upload_spool_dir
+        .clone()
+        .unwrap_or_else(|| s.output_dir.join(".spool"))
+        .join(name)
+}
+
 fn unix_seconds() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -488,7 +439,7 @@ mod tests {
 
     fn req(i: u64, size: usize) -> Request {
         Request {
-            id: super::super::request_id(i * 1000, i),
+            id: request_id(i * 1000, i),
             body: Arc::new(vec![i as u8; size]),
         }
     }

@@ -10,7 +10,7 @@ use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
-use super::SendError;
+use super::delivery::SendError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum GrpcError {

@@ -14,7 +14,6 @@
 //! refusal is temporary (429, 5xx) and counted and dropped otherwise (mapping errors).
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -28,26 +27,25 @@ use hyper::header::{HeaderValue, AUTHORIZATION, CONTENT_TYPE};
 use hyper::{Method, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
-use super::delivery::Transport;
-use super::{SendError, SinkMetrics};
-use crate::encode::Groups;
-use crate::enrich::Round;
-use crate::metrics::Metrics;
-use crate::profile::frame_names;
+mod documents;
+
+use super::delivery::{Delivery, SendError, Transport};
+use super::{OutputError, Published, Sink};
+use crate::metrics::{Metrics, SinkMetrics};
+use crate::settings::Settings;
+use documents::template;
+pub use documents::{encode, Format};
 
 #[derive(Debug, thiserror::Error)]
-pub enum OpenSearchError {
+pub(crate) enum OpenSearchError {
     #[error("--opensearch-url {url}: {message}")]
     Url { url: String, message: String },
     #[error("--opensearch-ca-file {path}: {message}")]
     CaFile { path: PathBuf, message: String },
-    #[error("--opensearch-password-file {path}: {source}")]
-    Password {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("--opensearch-password-file: {0}")]
+    Password(#[from] crate::credentials::CredentialError),
     #[error(
         "--opensearch-password-file {path} (or FIRN_OPENSEARCH_PASSWORD) is empty or not \
          one line of text"
@@ -59,251 +57,82 @@ pub enum OpenSearchError {
     NoUsername,
 }
 
-/// Functions listed in a profile document, by samples at the leaf.
-const TOP_FUNCTIONS: usize = 10;
-/// Frames kept per stack document (the leaf end; deeper callers are cut).
-const MAX_FRAMES: usize = 128;
-
-/// What the documents are built with.
-pub struct Format {
-    pub index_prefix: String,
-    pub max_stacks: usize,
-    /// Bytes of a round's request past which no more stack documents are added.
-    pub max_bytes: usize,
-    /// `http://host:port` of the enricher's HTTP server, for pprof links.
-    pub pprof_base: String,
+/// Starts the OpenSearch sink when `--opensearch-url` is given.
+pub(super) fn start(
+    s: &Settings,
+    metrics: &Arc<Metrics>,
+) -> Result<Option<Box<dyn Sink>>, OutputError> {
+    let Some(url) = &s.opensearch_url else {
+        return Ok(None);
+    };
+    let client = client(url, s.opensearch_ca_file.as_deref())?;
+    let credentials = Credentials::new(
+        s.opensearch_username.clone(),
+        s.opensearch_password_file.clone(),
+    )?;
+    let sink = Arc::new(SinkMetrics::new("opensearch"));
+    let prefix = s.opensearch_index_prefix.clone();
+    let transport = OpenSearchTransport::new(
+        client,
+        &prefix,
+        credentials.clone(),
+        sink.clone(),
+        metrics.clone(),
+    );
+    let delivery = Delivery::start("opensearch", s, metrics, sink, Rc::new(transport));
+    tracing::info!(url = %url, index_prefix = %prefix, spool = %super::delivery::spool_dir(s, "opensearch").display(), "sending profiles to OpenSearch");
+    let format = Format {
+        index_prefix: prefix,
+        max_stacks: s.opensearch_max_stacks as usize,
+        max_bytes: usize::try_from(s.opensearch_max_bytes).unwrap_or(usize::MAX),
+        pprof_base: pprof_base(s.opensearch_pprof_base_url.as_deref(), s.http_address),
+    };
+    Ok(Some(Box::new(OpenSearchSink {
+        delivery,
+        format,
+        credentials,
+        metrics: metrics.clone(),
+    })))
 }
 
-/// The daily index of a round (UTC, by its end).
-pub fn index_name(prefix: &str, end_ns: u64) -> String {
-    let s = crate::sinks::local::utc_stamp(end_ns);
-    format!("{prefix}-{}.{}.{}", &s[0..4], &s[4..6], &s[6..8])
+struct OpenSearchSink {
+    delivery: Rc<Delivery>,
+    format: Format,
+    credentials: Rc<Credentials>,
+    metrics: Arc<Metrics>,
 }
 
-fn hex_id(parts: &[&[u8]]) -> String {
-    let mut ctx = md5::Context::new();
-    for p in parts {
-        ctx.consume(p);
-        ctx.consume([0]);
-    }
-    format!("{:x}", ctx.compute())
-}
-
-fn millis(ns: u64) -> u64 {
-    ns / 1_000_000
-}
-
-/// The labels as a JSON object of strings.
-fn labels_object(labels: &[(String, String)]) -> Value {
-    Value::Object(
-        labels
-            .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
-            .collect::<Map<_, _>>(),
-    )
-}
-
-/// What a round's encoding left out, for the counters.
-#[derive(Default, Debug, PartialEq, Eq)]
-pub struct Encoding {
-    pub profiles: usize,
-    pub stacks: usize,
-    /// Distinct stacks past `max_stacks` or `max_bytes`, counted in their profiles only.
-    pub stacks_left_out: usize,
-}
-
-/// The round as `_bulk` NDJSON. `stems` are the groups' pprof file stems (the local
-/// sink's names). None: no samples.
-pub fn encode(
-    round: &Round,
-    groups: &Groups,
-    stems: &[String],
-    f: &Format,
-) -> Option<(Vec<u8>, Encoding)> {
-    if groups.is_empty() {
-        return None;
-    }
-    let index = index_name(&f.index_prefix, round.end_ns);
-    let period_ns = 1_000_000_000 / u64::from(round.frequency_hz.max(1));
-    let round_dir = crate::sinks::local::round_dir(round);
-    let round_key = super::request_id(round.end_ns, round.round);
-    let mut out = Vec::new();
-    let mut enc = Encoding::default();
-    // (samples, profile index, frames leaf first) of every distinct stack.
-    let mut all_stacks: Vec<(u64, usize, Vec<Arc<str>>)> = Vec::new();
-    let mut profile_ids = Vec::with_capacity(groups.len());
-    let mut names = Vec::new();
-    for (g, (labels, idx)) in groups.iter().enumerate() {
-        let mut label_key = Vec::new();
-        for (k, v) in labels.iter() {
-            label_key.extend_from_slice(k.as_bytes());
-            label_key.push(0);
-            label_key.extend_from_slice(v.as_bytes());
-            label_key.push(0);
-        }
-        let profile_id = hex_id(&[round_key.as_bytes(), &label_key]);
-        let mut stacks: HashMap<Vec<Arc<str>>, u64> = HashMap::new();
-        let mut leaf: HashMap<Arc<str>, u64> = HashMap::new();
-        let mut samples = 0u64;
-        for &i in idx {
-            let s = &round.stacks[i];
-            names.clear();
-            for fr in s.frames.iter().rev() {
-                frame_names(fr, &mut names);
-            }
-            names.reverse();
-            names.truncate(MAX_FRAMES);
-            samples = samples.saturating_add(s.count);
-            if let Some(l) = names.first() {
-                *leaf.entry(l.clone()).or_insert(0) += s.count;
-            }
-            *stacks.entry(names.clone()).or_insert(0) += s.count;
-        }
-        let mut top: Vec<(Arc<str>, u64)> = leaf.into_iter().collect();
-        top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        top.truncate(TOP_FUNCTIONS);
-        let stem = stems.get(g).map_or("set", String::as_str);
-        let file = format!("{round_dir}/{stem}.pb.gz");
-        let mut doc = json!({
-            "doc_type": "profile",
-            "@timestamp": millis(round.end_ns),
-            "start": millis(round.start_ns),
-            "end": millis(round.end_ns),
-            "duration_ms": millis(round.end_ns.saturating_sub(round.start_ns)),
-            "round": round.round,
-            "session_id": round.session_id,
-            "profile_id": profile_id,
-            "labels": labels_object(labels),
-            "samples": samples,
-            "cpu_ns": samples.saturating_mul(period_ns),
-            "frequency_hz": round.frequency_hz,
-            "distinct_stacks": stacks.len(),
-            "top_functions": top.iter().map(|(n, c)| json!({"function": n.as_ref(), "samples": c})).collect::<Vec<_>>(),
-            "pprof_file": file,
-            "pprof_url": format!("{}/rounds/{file}", f.pprof_base),
+impl Sink for OpenSearchSink {
+    fn round(&mut self, p: &Published<'_>) {
+        let t0 = std::time::Instant::now();
+        let body = encode(p.round, p.groups, p.layout, &self.format).map(|(body, enc)| {
+            Metrics::add(
+                &self.metrics.opensearch_stacks_left_out,
+                enc.stacks_left_out as u64,
+            );
+            body
         });
-        add_labels_top(&mut doc, labels);
-        push_pair(&mut out, &index, &profile_id, &doc);
-        enc.profiles += 1;
-        profile_ids.push((profile_id, labels.clone()));
-        for (frames, count) in stacks {
-            all_stacks.push((count, g, frames));
-        }
+        self.delivery.push_round(p.round, body, t0);
     }
-    all_stacks.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.2.cmp(&b.2)));
-    let distinct = all_stacks.len();
-    all_stacks.truncate(f.max_stacks);
-    let mut key = Vec::new();
-    let mut pair = Vec::new();
-    for (count, g, frames) in all_stacks {
-        let (profile_id, labels) = &profile_ids[g];
-        key.clear();
-        for fr in &frames {
-            key.extend_from_slice(fr.as_bytes());
-            key.push(0);
-        }
-        let id = hex_id(&[profile_id.as_bytes(), &key]);
-        let mut doc = json!({
-            "doc_type": "stack",
-            "@timestamp": millis(round.end_ns),
-            "start": millis(round.start_ns),
-            "end": millis(round.end_ns),
-            "round": round.round,
-            "profile_id": profile_id,
-            "labels": labels_object(labels),
-            "frames": frames.iter().map(|s| s.as_ref()).collect::<Vec<_>>(),
-            "leaf": frames.first().map_or("", |s| s.as_ref()),
-            "depth": frames.len(),
-            "samples": count,
-            "cpu_ns": count.saturating_mul(period_ns),
-        });
-        add_labels_top(&mut doc, labels);
-        pair.clear();
-        push_pair(&mut pair, &index, &id, &doc);
-        if out.len() + pair.len() > f.max_bytes {
-            // Heaviest first: what is left out is the lightest.
-            break;
-        }
-        out.extend_from_slice(&pair);
-        enc.stacks += 1;
-    }
-    enc.stacks_left_out = distinct - enc.stacks;
-    Some((out, enc))
-}
 
-/// The labels Dashboards charts split by most, also at the top level (`comm`,
-/// `executable`, …), so that a visualization needs no nested field names.
-fn add_labels_top(doc: &mut Value, labels: &[(String, String)]) {
-    for (k, v) in labels {
-        if TOP_LEVEL_LABELS.contains(&k.as_str()) {
-            doc[k.as_str()] = Value::String(v.clone());
-        }
-    }
-}
-
-const TOP_LEVEL_LABELS: &[&str] = &[
-    "node",
-    "comm",
-    "executable",
-    "pid",
-    "container_id",
-    "systemd_unit",
-    "namespace",
-    "pod",
-    "container",
-];
-
-fn push_pair(out: &mut Vec<u8>, index: &str, id: &str, doc: &Value) {
-    let action = json!({"index": {"_index": index, "_id": id}});
-    // Serializing a Value cannot fail; a line of JSON has no newline inside.
-    let _ = serde_json::to_writer(&mut *out, &action);
-    out.push(b'\n');
-    let _ = serde_json::to_writer(&mut *out, doc);
-    out.push(b'\n');
-}
-
-/// The index template: explicit mappings for every field the documents carry; labels
-/// are keywords whatever their names (a dynamic template, not dynamic mapping's
-/// guesses), and anything else is refused (`dynamic: strict`).
-pub fn template(prefix: &str) -> Value {
-    let kw = json!({"type": "keyword", "ignore_above": 1024});
-    let date = json!({"type": "date", "format": "epoch_millis"});
-    let long = json!({"type": "long"});
-    let mut props = json!({
-        "doc_type": kw, "@timestamp": date, "start": date, "end": date,
-        "duration_ms": long, "round": long, "session_id": long, "profile_id": kw,
-        "labels": {"type": "object", "dynamic": true},
-        "samples": long, "cpu_ns": long, "frequency_hz": long, "distinct_stacks": long,
-        "top_functions": {"properties": {"function": kw, "samples": long}},
-        "pprof_file": kw, "pprof_url": kw,
-        "frames": kw, "leaf": kw, "depth": long,
-    });
-    for l in TOP_LEVEL_LABELS {
-        props[*l] = kw.clone();
-    }
-    json!({
-        "index_patterns": [format!("{prefix}-*")],
-        "priority": 100,
-        "_meta": {"created_by": "firn-enricher", "version": env!("CARGO_PKG_VERSION")},
-        "template": {
-            "settings": {"number_of_shards": 1, "refresh_interval": "10s"},
-            "mappings": {
-                "dynamic": "strict",
-                "dynamic_templates": [{
-                    "labels_as_keywords": {
-                        "path_match": "labels.*",
-                        "mapping": {"type": "keyword", "ignore_above": 1024}
-                    }
-                }],
-                "properties": props
+    fn reload(&mut self) {
+        match self.credentials.reload() {
+            Ok(()) => tracing::info!("OpenSearch credentials reloaded"),
+            Err(e) => {
+                Metrics::inc(&self.metrics.upload_token_reload_errors);
+                tracing::warn!(error = %e, "OpenSearch password not reloaded; the previous one stays");
             }
         }
-    })
+    }
+
+    fn shutdown(&mut self, grace: Duration) -> super::Done<'_> {
+        Box::pin(self.delivery.shutdown(grace))
+    }
 }
 
 /// Basic-auth credentials: the user from its flag, the password from a file (read at
 /// start and on SIGHUP) or the environment. Never logged.
-pub struct Credentials {
+struct Credentials {
     username: Option<String>,
     password_file: Option<PathBuf>,
     header: RefCell<Option<HeaderValue>>,
@@ -313,7 +142,7 @@ pub struct Credentials {
 }
 
 impl Credentials {
-    pub fn new(
+    fn new(
         username: Option<String>,
         password_file: Option<PathBuf>,
     ) -> Result<Rc<Self>, OpenSearchError> {
@@ -328,15 +157,10 @@ impl Credentials {
     }
 
     /// Reads the password again; on error the previous credentials stay.
-    pub fn reload(&self) -> Result<(), OpenSearchError> {
+    fn reload(&self) -> Result<(), OpenSearchError> {
         let password = match &self.password_file {
             Some(path) => {
-                let text =
-                    std::fs::read_to_string(path).map_err(|source| OpenSearchError::Password {
-                        path: path.clone(),
-                        source,
-                    })?;
-                let p = text.trim_end_matches(['\n', '\r']).to_string();
+                let p = crate::credentials::read("the OpenSearch password file", path)?;
                 if p.is_empty() || p.contains('\n') {
                     return Err(OpenSearchError::PasswordInvalid { path: path.clone() });
                 }
@@ -369,7 +193,7 @@ impl Credentials {
 type HttpsClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
 
 /// The client for `url` (http:// or https://, with the system's roots or `ca_file`).
-pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String), OpenSearchError> {
+fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String), OpenSearchError> {
     let bad = |m: &str| OpenSearchError::Url {
         url: url.to_string(),
         message: m.to_string(),
@@ -432,7 +256,7 @@ pub fn client(url: &str, ca_file: Option<&Path>) -> Result<(HttpsClient, String)
     Ok((client, url.trim_end_matches('/').to_string()))
 }
 
-pub struct OpenSearchTransport {
+struct OpenSearchTransport {
     client: HttpsClient,
     /// The URL without a trailing slash.
     base: String,
@@ -450,7 +274,7 @@ pub struct OpenSearchTransport {
 
 /// One `_bulk` answer, read item by item.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct BulkOutcome {
+pub(crate) struct BulkOutcome {
     /// Request line pairs (action, document) to send again (429, 5xx).
     pub retry: Vec<usize>,
     pub rejected: usize,
@@ -460,7 +284,7 @@ pub struct BulkOutcome {
 }
 
 /// Reads a `_bulk` answer for `pairs` documents.
-pub fn read_bulk_answer(body: &[u8], pairs: usize) -> Result<BulkOutcome, String> {
+pub(crate) fn read_bulk_answer(body: &[u8], pairs: usize) -> Result<BulkOutcome, String> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| format!("unreadable _bulk answer: {e}"))?;
     let items = v["items"]
@@ -507,7 +331,7 @@ fn pairs(body: &[u8]) -> Vec<&[u8]> {
 
 impl OpenSearchTransport {
     /// `base` as [`client`] returns it.
-    pub fn new(
+    fn new(
         (client, base): (HttpsClient, String),
         prefix: &str,
         credentials: Rc<Credentials>,
@@ -685,7 +509,7 @@ impl Transport for Rc<OpenSearchTransport> {
 }
 
 /// The pprof links' base: `--opensearch-pprof-base-url`, else the HTTP address.
-pub fn pprof_base(explicit: Option<&str>, http: std::net::SocketAddr) -> String {
+fn pprof_base(explicit: Option<&str>, http: std::net::SocketAddr) -> String {
     match explicit {
         Some(b) => b.trim_end_matches('/').to_string(),
         None => format!("http://{http}"),
@@ -710,120 +534,5 @@ mod tests {
         assert!(o.first_error.unwrap().contains("mapper_parsing_exception"));
         assert!(read_bulk_answer(a, 3).is_err(), "item count must match");
         assert!(read_bulk_answer(b"<html>", 1).is_err());
-    }
-
-    fn stack(fns: &[&str], count: u64) -> crate::profile::StackSample {
-        use crate::profile::Frame;
-        let frames: Vec<Frame> = fns
-            .iter()
-            .map(|f| Frame::User {
-                mapping: None,
-                address: 1,
-                lines: Some(Arc::from(vec![crate::symbolize::Line {
-                    function: Arc::from(*f),
-                    file: Arc::from(""),
-                    line: 0,
-                }])),
-            })
-            .collect();
-        crate::profile::StackSample {
-            process_id: 1,
-            labels: Arc::new(vec![
-                ("comm".into(), "w".into()),
-                ("pid".into(), "7".into()),
-            ]),
-            frames: Arc::from(frames),
-            count,
-        }
-    }
-
-    /// Documents: one profile, one per distinct stack (leaf first), heaviest first, and
-    /// the stack and byte bounds leave out the lightest, counted.
-    #[test]
-    fn documents_and_their_bounds() {
-        let round = Round {
-            session_id: 1,
-            round: 3,
-            start_ns: 1_796_100_600_000_000_000,
-            end_ns: 1_796_100_610_000_000_000,
-            frequency_hz: 100,
-            stacks: vec![
-                stack(&["leaf", "mid", "main"], 5),
-                stack(&["leaf", "mid", "main"], 2),
-                stack(&["other", "main"], 1),
-                stack(&["third", "main"], 3),
-            ],
-        };
-        let groups = crate::encode::groups(&round, crate::encode::ProfileBy::Process);
-        let stems = crate::encode::file_stems(&groups);
-        let mut f = Format {
-            index_prefix: "p".into(),
-            max_stacks: 10,
-            max_bytes: 1 << 20,
-            pprof_base: "http://h:1".into(),
-        };
-        let (body, enc) = encode(&round, &groups, &stems, &f).unwrap();
-        assert_eq!((enc.profiles, enc.stacks, enc.stacks_left_out), (1, 3, 0));
-        let lines: Vec<Value> = pairs(&body)
-            .iter()
-            .map(|l| serde_json::from_slice(l).unwrap())
-            .collect();
-        assert_eq!(lines[0]["index"]["_index"], "p-2026.12.01");
-        let p = &lines[1];
-        assert_eq!(
-            (p["samples"].as_u64(), p["cpu_ns"].as_u64()),
-            (Some(11), Some(110_000_000))
-        );
-        assert_eq!(p["top_functions"][0]["function"], "leaf");
-        assert_eq!(
-            p["pprof_url"],
-            "http://h:1/rounds/20261201T045000Z-r000003/pid-7.pb.gz"
-        );
-        assert_eq!(lines[3]["frames"], json!(["leaf", "mid", "main"]));
-        assert_eq!(lines[3]["samples"], 7);
-        assert_eq!(lines[5]["leaf"], "third");
-        // The same round encodes to the same ids: a resend overwrites.
-        let (again, _) = encode(&round, &groups, &stems, &f).unwrap();
-        assert_eq!(again, body);
-        f.max_stacks = 2;
-        let (_, enc) = encode(&round, &groups, &stems, &f).unwrap();
-        assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
-        f.max_stacks = 10;
-        f.max_bytes = body.len() - 10;
-        let (small, enc) = encode(&round, &groups, &stems, &f).unwrap();
-        assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
-        assert!(small.len() <= f.max_bytes);
-    }
-
-    #[test]
-    fn daily_index_names() {
-        // 2026-12-01T04:50:00Z
-        assert_eq!(
-            index_name("firn-profiles", 1_796_100_600_000_000_000),
-            "firn-profiles-2026.12.01"
-        );
-    }
-
-    #[test]
-    fn template_maps_every_field_the_documents_carry() {
-        let t = template("p");
-        let props = t["template"]["mappings"]["properties"].as_object().unwrap();
-        for f in [
-            "doc_type",
-            "@timestamp",
-            "labels",
-            "samples",
-            "cpu_ns",
-            "frames",
-            "leaf",
-            "top_functions",
-            "pprof_url",
-            "comm",
-            "container_id",
-        ] {
-            assert!(props.contains_key(f), "{f} unmapped");
-        }
-        assert_eq!(t["template"]["mappings"]["dynamic"], "strict");
-        assert_eq!(t["index_patterns"][0], "p-*");
     }
 }

@@ -14,10 +14,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 use tonic::transport::Channel;
 
-use super::grpc;
-use super::parca::Token;
-use super::parca_proto::*;
+use super::proto::*;
+use super::Token;
 use crate::metrics::Metrics;
+use crate::output::delivery::SendError;
+use crate::output::grpc;
+use crate::settings::DebuginfoMode as Mode;
 
 const SHOULD: &str = "/parca.debuginfo.v1alpha1.DebuginfoService/ShouldInitiateUpload";
 const INITIATE: &str = "/parca.debuginfo.v1alpha1.DebuginfoService/InitiateUpload";
@@ -29,18 +31,6 @@ const RETRY_AFTER: Duration = Duration::from_secs(300);
 /// Larger files are not uploaded (counted).
 const MAX_SIZE: u64 = 2 << 30;
 
-#[derive(Clone, Copy, PartialEq, Eq, Default, Debug, clap::ValueEnum, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    /// No upload.
-    Off,
-    /// Binaries whose frames firn could not name.
-    #[default]
-    On,
-    /// Every binary with a build id that the server lacks.
-    All,
-}
-
 #[derive(Clone, Copy)]
 enum State {
     /// Being handled, or known to the server (done).
@@ -49,14 +39,14 @@ enum State {
     RetryAt(Instant),
 }
 
-pub struct Settings {
+pub(super) struct Settings {
     pub mode: Mode,
     pub concurrency: usize,
     /// Bytes per second over all uploads.
     pub rate: u64,
 }
 
-pub struct Debuginfo {
+pub(super) struct Debuginfo {
     channel: Channel,
     token: Rc<Token>,
     settings: Settings,
@@ -112,7 +102,7 @@ impl Debuginfo {
                 Ok(()) => {}
                 Err(e) => {
                     Metrics::inc(&me.metrics.debuginfo_upload_errors);
-                    let retry = matches!(grpc::classify(&e), super::SendError::Retry(_));
+                    let retry = matches!(grpc::classify(&e), SendError::Retry(_));
                     tracing::warn!(build_id = %build_id, error = %e.message(), code = ?e.code(), retry, "debuginfo upload failed");
                     let at = Instant::now() + if retry { RETRY_AFTER } else { RETRY_AFTER * 12 };
                     me.cache.borrow_mut().put(build_id, State::RetryAt(at));

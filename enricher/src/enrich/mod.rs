@@ -1,0 +1,158 @@
+//! One batch in, one symbolized round out. [`Enricher::handle`] is the round's steps,
+//! one call each: the process table, the binaries from the broker (`binaries`), the
+//! unwind tables (`tables`), symbolization and the stacks with their labels
+//! (`stacks`). What a round needs of the sampler besides the batch sits behind
+//! [`SamplerLink`], so the steps are tested with a fake.
+
+mod binaries;
+mod stacks;
+mod tables;
+
+use std::cell::RefCell;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::batch::Batch;
+use crate::broker::{Broker, BrokerError, TableSendError};
+use crate::labels::Labeler;
+use crate::metrics::Metrics;
+use crate::model::Round;
+use crate::processes::ProcessTable;
+use crate::symbolize::Symbolizer;
+
+/// Broker requests at most per round, so a burst of new binaries cannot stall a round.
+const MAX_OPENS_PER_ROUND: usize = 256;
+/// Rounds before a binary the broker refused is asked for again.
+const RETRY_ROUNDS: u64 = 6;
+/// Unwind tables built and sent per round at most (a busy node's binaries arrive over a
+/// few rounds rather than stalling one).
+const MAX_TABLES_PER_ROUND: usize = 24;
+/// Time spent building and sending tables per round at most (past it, the rest waits).
+const TABLE_TIME_PER_ROUND: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// What a round asks of the sampler beyond its batch: the file of a mapping, and
+/// loading an unwind table; and what this subscription has sent.
+pub(crate) trait SamplerLink {
+    async fn open(&self, process_id: u64, index: u32, version: u32)
+        -> Result<OwnedFd, BrokerError>;
+    async fn load_table(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        rows: &[u8],
+    ) -> Result<(), TableSendError>;
+    /// The unwind tables sent on this subscription.
+    fn tables(&self) -> &RefCell<crate::unwind::Sent>;
+}
+
+impl SamplerLink for Broker {
+    async fn open(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+    ) -> Result<OwnedFd, BrokerError> {
+        Broker::open(self, process_id, index, version).await
+    }
+
+    async fn load_table(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        rows: &[u8],
+    ) -> Result<(), TableSendError> {
+        Broker::load_table(self, process_id, index, version, rows).await
+    }
+
+    fn tables(&self) -> &RefCell<crate::unwind::Sent> {
+        &self.tables
+    }
+}
+
+pub struct Enricher {
+    pub(crate) processes: ProcessTable,
+    pub(crate) symbolizer: Symbolizer,
+    pub(crate) labeler: Labeler,
+    metrics: Arc<Metrics>,
+    session: u64,
+    /// Samples a process needs before its unwind tables are built and sent.
+    pub(crate) unwind_min_samples: u64,
+}
+
+fn dev_of(m: &crate::batch::Mapping) -> u64 {
+    libc::makedev(m.dev_major, m.dev_minor)
+}
+
+impl Enricher {
+    pub fn new(symbolizer: Symbolizer, labeler: Labeler, metrics: Arc<Metrics>) -> Self {
+        Self {
+            processes: ProcessTable::default(),
+            symbolizer,
+            labeler,
+            metrics,
+            session: 0,
+            unwind_min_samples: 1,
+        }
+    }
+
+    /// The round of `batch`. Without a link (the broker channel is down), frames of
+    /// binaries not cached stay addresses and no table is sent.
+    pub(crate) async fn handle<L: SamplerLink>(&mut self, batch: Batch, link: Option<&L>) -> Round {
+        self.take_records(&batch);
+        self.fetch_binaries(&batch, link).await;
+        self.send_tables(&batch, link).await;
+        let resolved = self.symbolize(&batch);
+        let stacks = self.stacks(&batch, &resolved);
+        self.forget(&batch);
+        Round {
+            session_id: batch.session_id,
+            round: batch.round,
+            start_ns: batch.start_time_ns,
+            end_ns: batch.end_time_ns,
+            frequency_hz: batch.frequency_hz,
+            stacks,
+        }
+    }
+
+    /// A round driven by the fuzz target and benchmarks, without a sampler.
+    pub fn handle_offline(&mut self, batch: Batch) -> Round {
+        let round = self.handle::<Broker>(batch, None);
+        futures::executor::block_on(round)
+    }
+
+    /// The batch's process records into the table, its samples counted per process.
+    fn take_records(&mut self, batch: &Batch) {
+        if batch.session_id != self.session {
+            self.session = batch.session_id;
+            self.labeler.clear();
+        }
+        self.processes.set_session(batch.session_id);
+        self.processes.update(batch.processes.clone(), batch.round);
+        for s in &batch.samples {
+            self.processes.touch(s.process_id, batch.round, s.count);
+        }
+    }
+
+    /// Processes the sampler forgot leave the table; the gauges follow.
+    fn forget(&mut self, batch: &Batch) {
+        self.processes.forget(&batch.forgotten_processes);
+        for id in &batch.forgotten_processes {
+            self.labeler.forget(*id);
+        }
+        let m = &self.metrics;
+        let set = |g: &std::sync::atomic::AtomicU64, v: u64| g.store(v, Ordering::Relaxed);
+        set(&m.processes_known, self.processes.len() as u64);
+        set(&m.binaries_cached, self.symbolizer.len() as u64);
+        set(&m.symbol_bytes_held, self.symbolizer.bytes_held());
+        set(
+            &m.symbol_frames_cached,
+            self.symbolizer.frames_cached() as u64,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,210 @@
+//! The round's stacks: user frames symbolized per binary, then every sample's frames
+//! (kernel names, named or bare user frames, the unwinder's marker) with its process's
+//! label set.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::Enricher;
+use crate::batch::{Batch, Stack};
+use crate::labels::Extra;
+use crate::metrics::Metrics;
+use crate::model::{BinaryId, Frame, LabelSet, Lines, MappingSpec, StackSample};
+use crate::processes::{Binary, Entry};
+use crate::symbolize::hex;
+
+/// What the symbolizer named: (binary, file offset) → lines (None: no symbol).
+pub(super) type Resolved = HashMap<(BinaryId, u64), Option<Lines>>;
+
+impl Enricher {
+    /// Build id (hex) and strippedness of the process's main executable, once its
+    /// binary is loaded.
+    fn exe_facts(&self, e: &Entry) -> (Option<String>, Option<bool>) {
+        let exe = e.record.exe.as_str();
+        let id = e
+            .record
+            .mappings
+            .iter()
+            .position(|m| m.path == exe)
+            .and_then(|i| match &e.binaries[i] {
+                Binary::Known(id) => Some(id),
+                _ => None,
+            });
+        match id {
+            Some(id) => (
+                self.symbolizer.build_id(id).map(hex),
+                self.symbolizer.stripped(id),
+            ),
+            None => (None, None),
+        }
+    }
+
+    /// Every user frame the cache can name, named: (binary, file offset) → lines.
+    pub(super) fn symbolize(&mut self, batch: &Batch) -> Resolved {
+        let mut wanted: HashMap<BinaryId, Vec<u64>> = HashMap::new();
+        for s in &batch.samples {
+            let Some(e) = self.processes.get(s.process_id) else {
+                continue;
+            };
+            for (i, &addr) in s.user_frames.iter().enumerate() {
+                if let Some((idx, mp)) = e.mapping_of(addr) {
+                    if let Binary::Known(id) = &e.binaries[idx] {
+                        wanted
+                            .entry(id.clone())
+                            .or_default()
+                            .push(sym_offset(addr, mp, i));
+                    }
+                }
+            }
+        }
+        let mut resolved: HashMap<(BinaryId, u64), Option<Lines>> = HashMap::new();
+        for (id, offsets) in wanted {
+            let lines = self.symbolizer.symbolize(&id, &offsets);
+            for (o, l) in offsets.into_iter().zip(lines) {
+                resolved.insert((id.clone(), o), l);
+            }
+        }
+
+        resolved
+    }
+
+    /// The round's stacks: frames named from `resolved`, labels per process.
+    pub(super) fn stacks(&mut self, batch: &Batch, resolved: &Resolved) -> Vec<StackSample> {
+        let m = self.metrics.clone();
+        let mut label_sets: HashMap<u64, Option<Arc<LabelSet>>> = HashMap::new();
+        let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
+        let kernel_names: Vec<Arc<str>> = batch
+            .kernel_symbols
+            .iter()
+            .map(|s| Arc::from(s.as_str()))
+            .collect();
+        let mut stacks = Vec::with_capacity(batch.samples.len());
+        for s in &batch.samples {
+            Metrics::add(&m.samples_received, s.count);
+            let entry = self.processes.get(s.process_id);
+            if entry.is_none() {
+                Metrics::add(&m.samples_without_process, s.count);
+            }
+            let labels = match label_sets.get(&s.process_id) {
+                Some(l) => l.clone(),
+                None => {
+                    if entry.is_none() {
+                        tracing::info!(
+                            pid = s.pid,
+                            "samples of a process with no record; encoded with comm only"
+                        );
+                    }
+                    let (build_id, stripped) = entry.map_or((None, None), |e| self.exe_facts(e));
+                    let extra = Extra {
+                        comm: &s.comm,
+                        executable_build_id: build_id,
+                        executable_stripped: stripped,
+                    };
+                    let l =
+                        self.labeler
+                            .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
+                    if l.is_none() {
+                        Metrics::inc(&m.processes_dropped_by_relabel);
+                        tracing::debug!(pid = s.pid, "process dropped by a relabel rule");
+                    }
+                    label_sets.insert(s.process_id, l.clone());
+                    l
+                }
+            };
+            let Some(labels) = labels else {
+                Metrics::add(&m.samples_dropped_by_relabel, s.count);
+                continue;
+            };
+            let mut frames: Vec<Frame> = s
+                .kernel_frames
+                .iter()
+                .map(|&k| Frame::Kernel(kernel_names[k as usize].clone()))
+                .collect();
+            for (i, &addr) in s.user_frames.iter().enumerate() {
+                let frame =
+                    match entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp))) {
+                        None => {
+                            Metrics::inc(&m.frames_unsymbolized_no_mapping);
+                            Frame::User {
+                                mapping: None,
+                                address: addr,
+                                lines: None,
+                            }
+                        }
+                        Some((e, idx, mp)) => {
+                            let known = match &e.binaries[idx] {
+                                Binary::Known(id) => Some(id),
+                                _ => None,
+                            };
+                            let lines = known.and_then(|id| {
+                                resolved
+                                    .get(&(id.clone(), sym_offset(addr, mp, i)))
+                                    .cloned()
+                                    .flatten()
+                            });
+                            match (&known, &lines) {
+                                (None, _) => Metrics::inc(&m.frames_unsymbolized_no_binary),
+                                (Some(_), None) => Metrics::inc(&m.frames_unsymbolized_no_symbol),
+                                (Some(_), Some(_)) => Metrics::inc(&m.frames_symbolized),
+                            }
+                            let spec = mappings
+                                .entry((s.process_id, idx))
+                                .or_insert_with(|| {
+                                    Arc::new(MappingSpec {
+                                        start: mp.start,
+                                        limit: mp.end,
+                                        offset: mp.file_offset,
+                                        file: Arc::from(mp.path.as_str()),
+                                        build_id: Arc::from(
+                                            known
+                                                .and_then(|id| self.symbolizer.build_id(id))
+                                                .map(hex)
+                                                .unwrap_or_default()
+                                                .as_str(),
+                                        ),
+                                        symbolized: known.is_some(),
+                                    })
+                                })
+                                .clone();
+                            Frame::User {
+                                mapping: Some(spec),
+                                address: addr,
+                                lines,
+                            }
+                        }
+                    };
+                frames.push(frame);
+            }
+            if let Some(marker) = s.user_end {
+                Metrics::inc(&m.user_stacks_incomplete);
+                frames.push(Frame::Kernel(Arc::from(marker)));
+            }
+            if frames.is_empty() {
+                // Neither stack could be read: keep the sample's weight on its process.
+                let why = match (s.user_stack, s.kernel_stack) {
+                    (Stack::Lost, _) | (_, Stack::Lost) => "[stack lost]",
+                    _ => "[no stack]",
+                };
+                frames.push(Frame::Kernel(Arc::from(why)));
+            }
+            stacks.push(StackSample {
+                process_id: s.process_id,
+                labels,
+                frames: frames.into(),
+                count: s.count,
+            });
+        }
+        stacks
+    }
+}
+
+/// The file offset to symbolize for frame `i`: callers' return addresses point after
+/// the call, so one byte back lands inside the call instruction (and its line).
+fn sym_offset(addr: u64, m: &crate::batch::Mapping, i: usize) -> u64 {
+    let off = addr - m.start + m.file_offset;
+    if i > 0 {
+        off.saturating_sub(1)
+    } else {
+        off
+    }
+}

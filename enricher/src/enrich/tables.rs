@@ -1,0 +1,145 @@
+//! The unwind tables of the files sampled processes map: built here from each binary's
+//! CFI and sent to the sampler, the busiest processes first, within a budget per round.
+
+use std::collections::HashMap;
+
+use super::{
+    dev_of, Enricher, SamplerLink, MAX_TABLES_PER_ROUND, RETRY_ROUNDS, TABLE_TIME_PER_ROUND,
+};
+use crate::batch::Batch;
+use crate::broker::BrokerError;
+use crate::metrics::Metrics;
+
+impl Enricher {
+    /// Builds and sends the unwind tables of the files sampled processes map that this
+    /// subscription has not sent yet: all executable mappings of each, so that the
+    /// unwinder can cross into libraries no frame has reached so far.
+    pub(super) async fn send_tables<L: SamplerLink>(&mut self, batch: &Batch, link: Option<&L>) {
+        let Some(link) = link else { return };
+        let round = batch.round;
+        link.tables()
+            .borrow_mut()
+            .note_evictions(batch.tables_evicted);
+        // The busiest processes first: their stacks are most of the profile, and a node
+        // busy with many binaries gets their tables over a few rounds.
+        let mut weight: HashMap<u64, u64> = HashMap::new();
+        for s in &batch.samples {
+            *weight.entry(s.process_id).or_default() += s.count;
+        }
+        let mut order: Vec<(u64, u64)> = weight.into_iter().collect();
+        order.sort_unstable_by_key(|&(id, w)| (std::cmp::Reverse(w), id));
+        let mut wanted: Vec<(u64, usize, (u64, u64))> = Vec::new();
+        {
+            let sent = link.tables().borrow();
+            for (process_id, _) in order {
+                if wanted.len() >= MAX_TABLES_PER_ROUND {
+                    break;
+                }
+                let Some(e) = self.processes.get(process_id) else {
+                    continue;
+                };
+                if e.samples < self.unwind_min_samples {
+                    // A process woken once for a moment: its stacks are walked by frame
+                    // pointers; tables (the sampler's most costly work) wait until it
+                    // runs more.
+                    Metrics::inc(&self.metrics.unwind_tables_deferred_few_samples);
+                    continue;
+                }
+                for (idx, m) in e.record.mappings.iter().enumerate() {
+                    let file = (dev_of(m), m.inode);
+                    if sent.wants(file, round)
+                        && !wanted.iter().any(|w| w.2 == file)
+                        && wanted.len() < MAX_TABLES_PER_ROUND
+                    {
+                        wanted.push((process_id, idx, file));
+                    }
+                }
+            }
+        }
+        let t0 = std::time::Instant::now();
+        for (pid_id, idx, file) in wanted {
+            if t0.elapsed() > TABLE_TIME_PER_ROUND {
+                // The rest next round: a round is not held up by a node's big binaries.
+                break;
+            }
+            let Some(e) = self.processes.get(pid_id) else {
+                continue;
+            };
+            let version = e.record.mappings_version;
+            let path = e.record.mappings[idx].path.clone();
+            let state = self
+                .send_table(link, (pid_id, idx as u32, version), &path, round)
+                .await;
+            link.tables().borrow_mut().set(file, state);
+        }
+    }
+
+    async fn send_table<L: SamplerLink>(
+        &self,
+        link: &L,
+        (pid_id, idx, version): (u64, u32, u32),
+        path: &str,
+        round: u64,
+    ) -> crate::unwind::State {
+        use crate::unwind::State;
+        let m = &self.metrics;
+        Metrics::inc(&m.broker_requests);
+        let fd = match link.open(pid_id, idx, version).await {
+            Ok(fd) => fd,
+            Err(BrokerError::Refused(r)) => {
+                Metrics::inc(&m.broker_refusals);
+                tracing::debug!(path, reason = ?r, "broker refused a binary for its unwind table");
+                return State::Retry(round + RETRY_ROUNDS);
+            }
+            Err(e) => {
+                Metrics::inc(&m.broker_errors);
+                tracing::warn!(error = %e, "broker request failed");
+                return State::Retry(round + 1);
+            }
+        };
+        let t0 = std::time::Instant::now();
+        let built = crate::unwind::build_from_fd(fd);
+        Metrics::add(
+            &m.unwind_table_build_ns,
+            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+        let table = match built {
+            Ok(t) if !t.rows.is_empty() => t,
+            Ok(_) | Err(_) => {
+                Metrics::inc(&m.unwind_table_build_errors);
+                if let Err(e) = built {
+                    tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
+                }
+                return State::Given;
+            }
+        };
+        Metrics::inc(&m.unwind_tables_built);
+        let rows = table.rows.len();
+        match link.load_table(pid_id, idx, version, &table.bytes()).await {
+            Ok(()) => {
+                Metrics::inc(&m.unwind_tables_sent);
+                Metrics::add(&m.unwind_table_rows_sent, rows as u64);
+                tracing::debug!(path, rows, fdes = table.fdes, source = ?table.source, "unwind table sent");
+                State::Loaded
+            }
+            Err(crate::broker::TableSendError::Refused(r)) => {
+                Metrics::inc(&m.unwind_tables_refused);
+                tracing::info!(path, rows, reason = ?r, "the sampler refused an unwind table; this binary is walked by frame pointers");
+                use firn_schema::firn_capnp::TableRefusal as T;
+                match r {
+                    T::RateLimited | T::OutOfOrder | T::UnknownProcess | T::UnknownMapping => {
+                        State::Retry(round + 1)
+                    }
+                    // Room may be made, and another subscription's tables go with it.
+                    T::NoRoom | T::NotOwner => State::Retry(round + RETRY_ROUNDS),
+                    _ => State::Given,
+                }
+            }
+            Err(e) => {
+                Metrics::inc(&m.unwind_table_send_errors);
+                tracing::warn!(path, error = %e, "sending an unwind table failed");
+                State::Retry(round + 1)
+            }
+        }
+    }
+}

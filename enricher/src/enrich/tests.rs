@@ -1,0 +1,199 @@
+//! The round's steps against a fake sampler link: binaries are opened once and named,
+//! tables are built and sent once, refusals leave addresses and are asked again later.
+
+use std::cell::{Cell, RefCell};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use super::*;
+use crate::batch::{Mapping, Process, Sample, Stack};
+use crate::labels::System;
+use crate::model::Frame;
+use crate::symbolize::Limits;
+
+/// Serves this test binary for every mapping, or refuses; counts what it was asked.
+#[derive(Default)]
+struct FakeLink {
+    refuse: bool,
+    opens: Cell<u32>,
+    tables: RefCell<crate::unwind::Sent>,
+    loaded_rows: Cell<usize>,
+}
+
+impl SamplerLink for FakeLink {
+    async fn open(&self, _: u64, _: u32, _: u32) -> Result<OwnedFd, BrokerError> {
+        self.opens.set(self.opens.get() + 1);
+        if self.refuse {
+            return Err(BrokerError::Refused(
+                firn_schema::firn_capnp::Refusal::ProcessGone,
+            ));
+        }
+        Ok(std::fs::File::open("/proc/self/exe")
+            .expect("own binary")
+            .into())
+    }
+
+    async fn load_table(&self, _: u64, _: u32, _: u32, rows: &[u8]) -> Result<(), TableSendError> {
+        self.loaded_rows
+            .set(self.loaded_rows.get() + rows.len() / 8);
+        Ok(())
+    }
+
+    fn tables(&self) -> &RefCell<crate::unwind::Sent> {
+        &self.tables
+    }
+}
+
+#[inline(never)]
+fn marker_function() -> u64 {
+    std::hint::black_box(marker_function as *const () as usize as u64)
+}
+
+/// This process's mapping of its own executable that holds `addr`.
+fn own_mapping(addr: u64) -> Mapping {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("own maps");
+    for line in maps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (a, b) = f[0].split_once('-').expect("range");
+        let (start, end) = (
+            u64::from_str_radix(a, 16).unwrap(),
+            u64::from_str_radix(b, 16).unwrap(),
+        );
+        if addr >= start && addr < end {
+            let (maj, min) = f[3].split_once(':').unwrap();
+            return Mapping {
+                start,
+                end,
+                file_offset: u64::from_str_radix(f[2], 16).unwrap(),
+                dev_major: u32::from_str_radix(maj, 16).unwrap(),
+                dev_minor: u32::from_str_radix(min, 16).unwrap(),
+                inode: f[4].parse().unwrap(),
+                path: f[5].to_string(),
+            };
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+fn batch(round: u64, addr: u64, with_record: bool) -> Batch {
+    let m = own_mapping(addr);
+    let process = Process {
+        process_id: 1,
+        pid: std::process::id(),
+        start_time_ns: 1,
+        ppid: 1,
+        uid: 0,
+        comm: "self".into(),
+        exe: m.path.clone(),
+        cmdline: Vec::new(),
+        cgroup: String::new(),
+        mappings: vec![m],
+        mappings_version: 1,
+        complete: true,
+    };
+    Batch {
+        session_id: 7,
+        round,
+        start_time_ns: round * 10,
+        end_time_ns: round * 10 + 10,
+        frequency_hz: 99,
+        dropped_batches: 0,
+        processes: if with_record {
+            vec![process]
+        } else {
+            Vec::new()
+        },
+        samples: vec![Sample {
+            process_id: 1,
+            pid: std::process::id(),
+            tid: std::process::id(),
+            comm: "self".into(),
+            count: 3,
+            user_frames: vec![addr],
+            kernel_frames: Vec::new(),
+            user_stack: Stack::Ok,
+            kernel_stack: Stack::Absent,
+            user_end: None,
+        }],
+        kernel_symbols: Vec::new(),
+        counters: Vec::new(),
+        forgotten_processes: Vec::new(),
+        tables_evicted: 0,
+    }
+}
+
+fn enricher() -> Enricher {
+    let metrics = Arc::new(Metrics::default());
+    let system = System {
+        node: "test".into(),
+        kernel_release: "6.18".into(),
+        machine: "x86_64".into(),
+    };
+    Enricher::new(
+        Symbolizer::new(Limits::default(), metrics.clone()),
+        Labeler::new(Vec::new(), Vec::new(), system),
+        metrics,
+    )
+}
+
+fn leaf_name(r: &Round) -> Option<String> {
+    match r.stacks.first()?.frames.first()? {
+        Frame::User {
+            lines: Some(lines), ..
+        } => lines.last().map(|l| l.function.to_string()),
+        _ => None,
+    }
+}
+
+fn run<F: std::future::Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}
+
+#[test]
+fn binaries_are_opened_once_named_and_tabled() {
+    let addr = marker_function();
+    let mut e = enricher();
+    let link = FakeLink::default();
+    let r = run(e.handle(batch(1, addr, true), Some(&link)));
+    let name = leaf_name(&r).expect("the frame is named");
+    assert!(name.contains("marker_function"), "{name}");
+    assert_eq!(
+        link.opens.get(),
+        2,
+        "one open to symbolize, one to build the table"
+    );
+    assert!(link.loaded_rows.get() > 100, "the table was sent");
+    // The next round: the cache names the frame, the table is not sent again.
+    let before = link.loaded_rows.get();
+    let r = run(e.handle(batch(2, addr, false), Some(&link)));
+    assert!(leaf_name(&r).is_some());
+    assert_eq!(link.opens.get(), 2);
+    assert_eq!(link.loaded_rows.get(), before);
+    // The sampler evicted tables: this one is sent again.
+    let mut b = batch(3, addr, false);
+    b.tables_evicted = 1;
+    run(e.handle(b, Some(&link)));
+    assert!(link.loaded_rows.get() > before);
+}
+
+#[test]
+fn without_a_link_or_with_refusals_frames_stay_addresses() {
+    let addr = marker_function();
+    let mut e = enricher();
+    let r = e.handle_offline(batch(1, addr, true));
+    assert_eq!(leaf_name(&r), None);
+    assert_eq!(r.stacks[0].count, 3, "the sample keeps its weight");
+    let link = FakeLink {
+        refuse: true,
+        ..Default::default()
+    };
+    let r = run(e.handle(batch(2, addr, false), Some(&link)));
+    assert_eq!(leaf_name(&r), None);
+    let asked = link.opens.get();
+    assert!(asked >= 1);
+    // Refused binaries are not asked for again until their retry round.
+    run(e.handle(batch(3, addr, false), Some(&link)));
+    assert_eq!(link.opens.get(), asked);
+    run(e.handle(batch(2 + RETRY_ROUNDS, addr, false), Some(&link)));
+    assert!(link.opens.get() > asked, "asked again once due");
+}

@@ -1,3 +1,0 @@
-//! Where profiles go. The local directory is the embedded default.
-
-pub mod local;
