@@ -76,6 +76,24 @@ pub fn readable_file(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
+/// A credential file in `dir`: the enricher's user's own, mode 0600.
+pub fn secret_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let p = dir.join(name);
+    std::fs::write(&p, text).expect("write file");
+    // As a credential should be: the enricher's user's own, unreadable by others (the
+    // enricher refuses one every user may read).
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    let (uid, gid) = crate::test_user("firn-test");
+    nix::unistd::chown(
+        &p,
+        Some(nix::unistd::Uid::from_raw(uid)),
+        Some(nix::unistd::Gid::from_raw(gid)),
+    )
+    .expect("chown");
+    p
+}
+
 /// The OpenSearch stand-in on `port` (Python's standard library only: no OpenSearch
 /// server can run here), writing `out/state.json`; `extra`: --user U --password P,
 /// --bulk-429 N, --mixed.

@@ -17,7 +17,7 @@ const PASSWORD: &str = "pw-7c41e0";
 
 /// Enricher flags for the stand-in at `port` with the password file under `dir`.
 fn sink_args(dir: &Path, port: u16, password: &str) -> Vec<String> {
-    let pw = readable_file(dir, "os-password", &format!("{password}\n"));
+    let pw = secret_file(dir, "os-password", &format!("{password}\n"));
     let mut a = strs(&["--opensearch-url"]);
     a.push(format!("http://127.0.0.1:{port}"));
     a.extend(strs(&[
@@ -347,4 +347,60 @@ fn flame_graph_renders(rx: &TempDir, stacks: &[Value]) {
             "{want} not drawn in the flame graph: {v}"
         );
     }
+}
+
+/// SIGTERM while OpenSearch is down: the rounds waiting in memory go to the spool, and
+/// the next enricher on the same spool delivers every one once the backend is back (an
+/// enricher used to spool OTLP and Parca only, and lose OpenSearch's queue).
+#[test]
+fn sigterm_during_an_outage_loses_no_round() {
+    if !can_run_bpf() {
+        return;
+    }
+    let rx = TempDir::new("os-term");
+    let port = free_port();
+    let mut f = Firn::start_with("osterm", FAST, |dir| sink_args(dir, port, PASSWORD));
+    let mut w = start_workload(&workload("busy"), &["6"]);
+    let pid = w.pid();
+    w.wait_exit(30 * SECS).expect("busy ends");
+    assert!(f.wait_profiles(pid, 3, 20 * SECS).len() >= 3);
+    assert!(
+        wait_until(10 * SECS, || upload_metric(&f, "retries_total") >= 1.0),
+        "no retries while down"
+    );
+    let queued = upload_metric(&f, "queue_requests");
+    assert!(queued >= 3.0, "{queued} requests wait in memory");
+    let status = f.enricher.as_mut().unwrap().stop();
+    assert!(status.is_some_and(|s| s.success()), "SIGTERM: {status:?}");
+    let spooled: Vec<_> = std::fs::read_dir(f.out.join(".spool/opensearch"))
+        .map(|d| d.flatten().collect())
+        .unwrap_or_default();
+    assert!(
+        spooled.len() as f64 >= queued,
+        "{} requests spooled at SIGTERM, {queued} were queued",
+        spooled.len()
+    );
+    // The next enricher starts while the backend is still down, then it comes back.
+    let extra = sink_args(f.dir.path(), port, PASSWORD);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    f.start_enricher(&extra);
+    std::thread::sleep(3 * SECS);
+    let mut standin =
+        start_opensearch_standin(port, rx.path(), &["--user", "firn", "--password", PASSWORD]);
+    let local = local_rounds(&f.out, pid);
+    let caught_up = wait_until(40 * SECS, || {
+        let remote = remote_rounds(&standin_state(rx.path()), pid);
+        local.iter().all(|(k, n)| remote.get(k) == Some(n))
+    });
+    let state = standin_state(rx.path());
+    assert!(
+        caught_up,
+        "rounds lost across SIGTERM: local {local:?}, remote {:?}",
+        remote_rounds(&state, pid)
+    );
+    // Once each: a profile document per round of the workload's, none twice.
+    let profiles = docs(&state, "profile", pid);
+    assert_eq!(profiles.len(), local.len(), "{profiles:#?}");
+    assert_eq!(state["violations"], serde_json::json!([]));
+    standin.stop();
 }

@@ -98,7 +98,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
     let _otlp = start_otlp_receiver(op, &otlp_out, &[]);
     let _parca = start_parca_receiver(pp, &parca_out, &["--token", TOKEN]);
     let mut f = Firn::start_with("upl", FAST, |dir| {
-        let token = readable_file(dir, "token", &format!("{TOKEN}\n"));
+        let token = secret_file(dir, "token", &format!("{TOKEN}\n"));
         let mut a = strs(&["--otlp-endpoint"]);
         a.push(format!("http://127.0.0.1:{op}"));
         a.extend(strs(&[

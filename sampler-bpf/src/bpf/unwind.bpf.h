@@ -1,0 +1,408 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * The user-stack unwinder of profile.bpf.c, included there once (it uses that file's
+ * counters, `bump` and `user_mode`). Per frame: the process's executable mappings
+ * (`procmaps`, written by the sampler from /proc/PID/maps) give the file and offset of
+ * the pc; the file's table (`tables` → a run of `rows`, built by the enricher from the
+ * file's CFI and checked by the sampler) gives the rule for the caller's stack pointer,
+ * return address and rbp. Where there is no row the frame is walked by frame pointers.
+ * Every frame above the leaf must lie in an executable mapping of the process, and every
+ * read lies in a bounded window above the frame's stack pointer (DESIGN rule 9).
+ */
+#ifndef FIRN_UNWIND_BPF_H
+#define FIRN_UNWIND_BPF_H
+
+/* Unwind rows of every table, one run per file. The sampler sizes it before loading
+ * (--unwind-rows) and hands out runs. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_unwind_row);
+} rows SEC(".maps");
+
+/* File → its run in `rows`. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct firn_file_key);
+	__type(value, struct firn_table);
+} tables SEC(".maps");
+
+/* tgid → executable mappings of the process. Not preallocated (2 KiB a process). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct firn_proc_maps);
+} procmaps SEC(".maps");
+
+
+/* First address above user space (x86_64, 4-level paging; 5-level is larger still, and
+ * an address above 47 bits is then only cut short, never wrong). */
+#define USER_SPACE_END (1ULL << 47)
+
+/* The walk of one stack, per CPU. Kept in a map value, not on the BPF stack: the
+ * verifier then sees every field as unknown, and checks the bpf_loop callback once
+ * instead of once per frame count. */
+struct firn_unwind_state {
+	struct firn_user_stack stack;
+	__u64 pc;
+	__u64 sp;
+	__u64 bp;
+	__u64 hash;
+	__u64 start_ns;
+	__u32 tgid;
+	__u32 exec_id;
+	__u32 len;
+	__u32 end;
+	__u8 bp_known;
+	__u8 exact_pc;             /* pc is where execution stopped, not a return address */
+	__u8 fp_why;               /* the last frame was walked by frame pointers, for this
+				    * firn_unwind_end (0: by a row) */
+	/* The mapping of the last frame and its table: consecutive frames are mostly in
+	 * one binary, so most frames skip two hash lookups and the mapping search. */
+	__u8 cached;               /* 0: nothing cached; else enum firn_mapping_kind */
+	__u64 c_start;
+	__u64 c_end;
+	__u64 c_offset;
+	__u32 c_first;
+	__u32 c_count;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_unwind_state);
+} scratch SEC(".maps");
+
+/* Written by the sampler before load (random): user stacks are keyed by a hash no
+ * local user can predict, so none can craft frames that take another stack's key. */
+const volatile __u64 hash_seed = 0;
+
+static __always_inline __u64 mix(__u64 h, __u64 v)
+{
+	h ^= v;
+	h *= 0x100000001b3ULL;
+	return h ^ (h >> 29);
+}
+
+/* What holds a pc of the current process. */
+enum firn_mapping_kind {
+	MAPPING_FILE_TABLE = 1,    /* a file mapping whose file has a table */
+	MAPPING_FILE = 2,          /* a file mapping, no table */
+	MAPPING_ANON = 3,          /* anonymous executable memory: JIT code, the vDSO */
+	MAPPING_NONE = 4,          /* no executable mapping known to hold it */
+	MAPPING_NO_PROCESS = 5,    /* the process's mappings are not in the map (yet) */
+};
+
+/* Finds the executable mapping holding `pc` and caches it with its table. */
+static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc)
+{
+	struct firn_proc_maps *pm;
+	struct firn_file_key file;
+	struct firn_table *t;
+	__u32 lo = 0, hi, mid, idx, j;
+
+	if (st->cached && pc >= st->c_start && pc < st->c_end)
+		return st->cached;
+	pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
+	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
+		return MAPPING_NO_PROCESS;
+	hi = pm->count;
+	if (hi > FIRN_MAX_MAPPINGS)
+		hi = FIRN_MAX_MAPPINGS;
+	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. */
+	for (j = 0; j < 7 && lo < hi; j++) {
+		mid = (lo + hi) / 2;
+		if (mid >= FIRN_MAX_MAPPINGS)
+			return MAPPING_NONE;
+		if (pm->m[mid].start <= pc)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == 0)
+		return MAPPING_NONE;
+	idx = lo - 1;
+	if (idx >= FIRN_MAX_MAPPINGS || pc - pm->m[idx].start >= (__u64)pm->m[idx].pages << 12)
+		return MAPPING_NONE;
+	st->c_start = pm->m[idx].start;
+	st->c_end = pm->m[idx].start + ((__u64)pm->m[idx].pages << 12);
+	st->c_offset = (__u64)pm->m[idx].offset_pages << 12;
+	if (pm->m[idx].inode == 0) {
+		st->cached = MAPPING_ANON;
+		return MAPPING_ANON;
+	}
+	file.inode = pm->m[idx].inode;
+	file.dev = pm->m[idx].dev;
+	file.reserved = 0;
+	t = bpf_map_lookup_elem(&tables, &file);
+	if (!t) {
+		st->cached = MAPPING_FILE;
+		return MAPPING_FILE;
+	}
+	st->c_first = t->first;
+	st->c_count = t->count;
+	st->cached = MAPPING_FILE_TABLE;
+	return MAPPING_FILE_TABLE;
+}
+
+/* The row for `pc`, which lies in the cached mapping, or why there is none. */
+static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
+{
+	struct firn_unwind_row *r;
+	__u32 lo = 0, hi, mid, idx, first = st->c_first, j;
+	__u64 off = pc - st->c_start + st->c_offset;
+
+	if (off > 0xffffffffULL)
+		return FIRN_END_NOT_IN_TABLE;
+	/* Last row at or below off; the sampler keeps count < 2^24. */
+	hi = st->c_count;
+	for (j = 0; j < 24 && lo < hi; j++) {
+		mid = lo + (hi - lo) / 2;
+		idx = first + mid;
+		r = bpf_map_lookup_elem(&rows, &idx);
+		if (!r)
+			return FIRN_END_NOT_IN_TABLE;
+		if (r->pc <= (__u32)off)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == 0)
+		return FIRN_END_NOT_IN_TABLE;
+	idx = first + lo - 1;
+	r = bpf_map_lookup_elem(&rows, &idx);
+	if (!r || (r->kinds & 0xf) == FIRN_CFA_NONE)
+		return FIRN_END_NOT_IN_TABLE;
+	*out = *r;
+	return 0;
+}
+
+/* Reads a word of the process's stack. Only 8-byte aligned words are read: a row or a
+ * frame pointer can then never make the walk read a word made of the bytes of two. */
+static __always_inline int read_user(__u64 *dst, __u64 addr)
+{
+	if (addr & 7)
+		return -1;
+	return bpf_probe_read_user(dst, sizeof(*dst), (const void *)addr);
+}
+
+/* Whether `base` may serve as a frame's base: 8-byte aligned, at or above the stack
+ * pointer and within one frame's reach of it. */
+static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
+{
+	return (base & 7) == 0 && base >= sp && base - sp <= reach;
+}
+
+/* One frame: check that st->pc is code of this process (every frame but the leaf, whose
+ * pc is the sampled register), record it, then find the caller's registers. Nothing
+ * read from the process's memory becomes a frame unless it lies in one of its
+ * executable mappings, and every read lies in a bounded window above the stack pointer
+ * of the frame being walked, so a lying table can pick among the process's code
+ * addresses and nothing else (DESIGN rule 9). 1 stops the loop. */
+static long unwind_step(__u32 i, void *data)
+{
+	struct firn_unwind_state *st;
+	struct firn_unwind_row row = {};
+	__u32 zero = 0, len, why, kind;
+	__u64 cfa, ra, bp, sp, pc;
+	__u8 cfa_kind, rbp_kind;
+
+	(void)i;
+	(void)data;
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st)
+		return 1;
+	len = st->len;
+	pc = st->pc;
+	if (len >= FIRN_MAX_STACK_DEPTH) {
+		st->end = FIRN_END_DEPTH;
+		return 1;
+	}
+	kind = find_mapping(st, pc);
+	if (len > 0 && kind >= MAPPING_NONE) {
+		/* A return address outside every executable mapping of the process: not
+		 * recorded. Reached by frame pointers (no row), the walk ended for the reason
+		 * it had no row; reached by a row, the row was wrong or the code was mapped
+		 * after the record was read (the sampler reads the mappings again). */
+		st->end = st->fp_why ? st->fp_why : FIRN_END_BAD_FRAME;
+		return 1;
+	}
+	st->stack.frames[len] = pc;
+	st->len = len + 1;
+	st->hash = mix(st->hash, pc);
+	if (st->len >= FIRN_MAX_STACK_DEPTH) {
+		st->end = FIRN_END_DEPTH;
+		return 1;
+	}
+	if (kind == MAPPING_NO_PROCESS) {
+		/* No frame above the leaf could be checked. */
+		st->end = FIRN_END_NO_PROCESS;
+		return 1;
+	}
+
+	why = FIRN_END_NO_MAPPING;
+	if (kind == MAPPING_FILE)
+		why = FIRN_END_NO_TABLE;
+	else if (kind == MAPPING_FILE_TABLE)
+		/* A return address points after the call: look up the call itself. */
+		why = find_row(st, st->exact_pc ? pc : pc - 1, &row);
+	st->exact_pc = 0;
+	sp = st->sp;
+	st->fp_why = why;
+	if (why != 0) {
+		/* Frame pointers: [rbp] is the caller's rbp, [rbp + 8] the return address. */
+		bump(FIRN_CTR_FP_FRAMES);
+		st->end = why;
+		if (!st->bp_known || !in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES))
+			return 1;
+		if (read_user(&bp, st->bp) || read_user(&ra, st->bp + 8))
+			return 1;
+		st->sp = st->bp + 16;
+		st->bp = bp;
+		st->pc = ra;
+		return ra < 4096 || ra >= USER_SPACE_END;
+	}
+
+	bump(FIRN_CTR_TABLE_FRAMES);
+	cfa_kind = row.kinds & 0xf;
+	rbp_kind = row.kinds >> 4;
+	switch (cfa_kind) {
+	case FIRN_CFA_RSP:
+		cfa = sp + row.cfa_offset;
+		break;
+	case FIRN_CFA_RBP:
+		if (!st->bp_known) {
+			st->end = FIRN_END_UNSUPPORTED;
+			return 1;
+		}
+		if (!in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES)) {
+			st->end = FIRN_END_BAD_FRAME;
+			return 1;
+		}
+		cfa = st->bp + row.cfa_offset;
+		break;
+	case FIRN_CFA_PLT:
+		cfa = sp + 8 + ((pc & 15) >= row.cfa_offset ? 8 : 0);
+		break;
+	case FIRN_CFA_SIGNAL:
+		/* rt_sigframe: the ucontext is at rsp, its sigcontext 40 bytes in; rbp, rsp
+		 * and rip are its 11th, 16th and 17th words. The interrupted stack pointer
+		 * lies above the frame (a handler on an alternate stack ends the walk). */
+		if (read_user(&bp, sp + 40 + 80) || read_user(&cfa, sp + 40 + 120) ||
+		    read_user(&ra, sp + 40 + 128) || cfa <= sp ||
+		    !in_frame(cfa, sp, FIRN_MAX_SIGNAL_FRAME_BYTES)) {
+			st->end = FIRN_END_BAD_FRAME;
+			return 1;
+		}
+		st->bp = bp;
+		st->bp_known = 1;
+		st->sp = cfa;
+		st->pc = ra;
+		st->exact_pc = 1;
+		st->end = FIRN_END_COMPLETE;
+		return ra < 4096 || ra >= USER_SPACE_END;
+	case FIRN_CFA_STOP:
+		st->end = FIRN_END_COMPLETE;
+		return 1;
+	default:
+		st->end = FIRN_END_UNSUPPORTED;
+		return 1;
+	}
+	/* The caller's frame lies above this one: its return address at CFA - 8, at or
+	 * above the stack pointer, and a saved rbp between the two. */
+	if (cfa <= sp || (cfa & 7) || read_user(&ra, cfa - 8)) {
+		st->end = FIRN_END_BAD_FRAME;
+		return 1;
+	}
+	if (rbp_kind == FIRN_RBP_AT_CFA) {
+		__u64 slot = cfa + (__s64)row.rbp_offset8 * 8;
+
+		/* Below the stack pointer lies dead stack, never read. A real row says so
+		 * only just after an epilogue's pop, when rbp already holds that value. */
+		if (slot >= sp) {
+			if (read_user(&bp, slot)) {
+				st->end = FIRN_END_BAD_FRAME;
+				return 1;
+			}
+			st->bp = bp;
+			st->bp_known = 1;
+		}
+	} else if (rbp_kind != FIRN_RBP_SAME) {
+		st->bp_known = 0;
+	}
+	st->sp = cfa;
+	st->pc = ra;
+	st->end = FIRN_END_COMPLETE;
+	return ra < 4096 || ra >= USER_SPACE_END;
+}
+
+/* Unwinds the user stack of the sampled task into ustacks (`set`), fills the key's
+ * user_stack, user_status and unwind_end. */
+static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct task_struct *task,
+				       void *ustacks, struct firn_sample_key *key)
+{
+	struct firn_unwind_state *st;
+	struct pt_regs *regs;
+	__u32 zero = 0, len;
+
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st || !BPF_CORE_READ(task, mm)) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	if (user_mode(ctx)) {
+		st->pc = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, ip));
+		st->sp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, sp));
+		st->bp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, bp));
+	} else {
+		/* In the kernel: the user registers saved at entry. */
+		regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+		st->pc = BPF_CORE_READ(regs, ip);
+		st->sp = BPF_CORE_READ(regs, sp);
+		st->bp = BPF_CORE_READ(regs, bp);
+	}
+	if (st->pc == 0 || st->pc >= USER_SPACE_END) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	st->tgid = key->tgid;
+	st->start_ns = key->start_ns;
+	st->exec_id = key->exec_id;
+	st->len = 0;
+	st->cached = 0;
+	st->end = FIRN_END_COMPLETE;
+	st->bp_known = 1;
+	st->exact_pc = 1;
+	st->fp_why = 0;
+	/* Seeded, and per process: equal frames of two processes are two stacks. */
+	st->hash = mix(mix(hash_seed ^ 0xcbf29ce484222325ULL,
+			   (__u64)key->tgid << 32 | key->exec_id), key->start_ns);
+	bpf_loop(FIRN_MAX_STACK_DEPTH, unwind_step, NULL, 0);
+
+	len = st->len;
+	if (len == 0) {
+		key->user_status = -FIRN_EFAULT;
+		return;
+	}
+	if (len < FIRN_MAX_STACK_DEPTH)
+		st->stack.frames[len] = 0;
+	key->unwind_end = st->end < FIRN_END_MAX ? st->end : FIRN_END_UNSUPPORTED;
+	bump(FIRN_CTR_END_BASE + key->unwind_end);
+	key->user_stack = st->hash ? st->hash : 1;
+	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
+		return;
+	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
+	if (bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
+	    !bpf_map_lookup_elem(ustacks, &key->user_stack)) {
+		bump(FIRN_CTR_USER_STACK_FULL);
+		key->user_stack = 0;
+		key->user_status = -FIRN_ENOMEM;
+	}
+}
+
+#endif
