@@ -23,8 +23,11 @@ fi
 tests/setup-tools.sh
 
 export FIRN_REQUIRE_BPF="${FIRN_REQUIRE_BPF:-1}"
-# Gates first, they are the quickest to fail: formatting, then clippy with warnings as
-# errors and the workspace's lints (every unsafe block documented).
+# Gates first, they are the quickest to fail: the structure (files within 600 lines,
+# no unused dependency, the enricher's layers), formatting, then clippy with warnings as
+# errors and the workspace's lints (every unsafe block documented). The BPF C builds
+# with -Wall -Wextra -Werror (sampler-bpf/build.rs).
+python3 tests/gates.py
 cargo fmt --all --check
 cargo clippy --release --locked --workspace --all-targets -- -D warnings
 # The probe copy first: cargo keeps both feature sets' artefacts, so the plain build
