@@ -20,35 +20,35 @@ pub enum DecodeError {
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Mapping {
-    pub start: u64,
-    pub end: u64,
-    pub file_offset: u64,
-    pub dev_major: u32,
-    pub dev_minor: u32,
-    pub inode: u64,
-    pub path: String,
+pub(crate) struct Mapping {
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) file_offset: u64,
+    pub(crate) dev_major: u32,
+    pub(crate) dev_minor: u32,
+    pub(crate) inode: u64,
+    pub(crate) path: String,
 }
 
 #[derive(Debug, Clone, Serialize)]
-pub struct Process {
-    pub process_id: u64,
-    pub pid: u32,
-    pub start_time_ns: u64,
-    pub ppid: u32,
-    pub uid: u32,
-    pub comm: String,
-    pub exe: String,
-    pub cmdline: Vec<String>,
-    pub cgroup: String,
-    pub mappings: Vec<Mapping>,
-    pub mappings_version: u32,
-    pub complete: bool,
+pub(crate) struct Process {
+    pub(crate) process_id: u64,
+    pub(crate) pid: u32,
+    pub(crate) start_time_ns: u64,
+    pub(crate) ppid: u32,
+    pub(crate) uid: u32,
+    pub(crate) comm: String,
+    pub(crate) exe: String,
+    pub(crate) cmdline: Vec<String>,
+    pub(crate) cgroup: String,
+    pub(crate) mappings: Vec<Mapping>,
+    pub(crate) mappings_version: u32,
+    pub(crate) complete: bool,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum Stack {
+pub(crate) enum Stack {
     Ok,
     Absent,
     Lost,
@@ -57,34 +57,34 @@ pub enum Stack {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Sample {
-    pub process_id: u64,
-    pub pid: u32,
-    pub tid: u32,
-    pub comm: String,
-    pub count: u64,
-    pub user_frames: Vec<u64>,
-    pub kernel_frames: Vec<u32>,
-    pub user_stack: Stack,
-    pub kernel_stack: Stack,
+    pub(crate) process_id: u64,
+    pub(crate) pid: u32,
+    pub(crate) tid: u32,
+    pub(crate) comm: String,
+    pub(crate) count: u64,
+    pub(crate) user_frames: Vec<u64>,
+    pub(crate) kernel_frames: Vec<u32>,
+    pub(crate) user_stack: Stack,
+    pub(crate) kernel_stack: Stack,
     /// Why the unwinder stopped early, when the stack is known to be cut short.
-    pub user_end: Option<&'static str>,
+    pub(crate) user_end: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Batch {
-    pub session_id: u64,
-    pub round: u64,
-    pub start_time_ns: u64,
-    pub end_time_ns: u64,
-    pub frequency_hz: u32,
-    pub dropped_batches: u64,
-    pub processes: Vec<Process>,
+    pub(crate) session_id: u64,
+    pub(crate) round: u64,
+    pub(crate) start_time_ns: u64,
+    pub(crate) end_time_ns: u64,
+    pub(crate) frequency_hz: u32,
+    pub(crate) dropped_batches: u64,
+    pub(crate) processes: Vec<Process>,
     pub samples: Vec<Sample>,
-    pub kernel_symbols: Vec<String>,
-    pub counters: Vec<(String, u64)>,
-    pub forgotten_processes: Vec<u64>,
+    pub(crate) kernel_symbols: Vec<String>,
+    pub(crate) counters: Vec<(String, u64)>,
+    pub(crate) forgotten_processes: Vec<u64>,
     /// Unwind tables the sampler evicted, in all.
-    pub tables_evicted: u64,
+    pub(crate) tables_evicted: u64,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -126,7 +126,7 @@ fn stack(s: Result<StackStatus, capnp::NotInSchema>) -> Stack {
     }
 }
 
-pub fn counters(
+pub(crate) fn counters(
     list: capnp::struct_list::Reader<'_, firn_schema::firn_capnp::counter::Owned>,
 ) -> Result<Vec<(String, u64)>, DecodeError> {
     check("counters", list.len(), limits::MAX_COUNTERS)?;

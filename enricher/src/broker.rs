@@ -16,7 +16,7 @@ use tokio::io::AsyncWriteExt;
 const FD_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, thiserror::Error)]
-pub enum BrokerError {
+pub(crate) enum BrokerError {
     #[error("the sampler refused: {0:?}")]
     Refused(Refusal),
     #[error("broker call failed: {0}")]
@@ -27,7 +27,7 @@ pub enum BrokerError {
     Missing(u64),
 }
 
-pub struct Broker {
+pub(crate) struct Broker {
     subscription: subscription::Client,
     channel: AsyncFd<UnixStream>,
     /// Serialises requests: tickets arrive in order on the one channel.
@@ -35,11 +35,11 @@ pub struct Broker {
     /// Fds that arrived for tickets nobody waits for any more.
     stray: RefCell<u64>,
     /// Unwind tables sent on this subscription (they last as long as it does).
-    pub tables: RefCell<crate::unwind::Sent>,
+    pub(crate) tables: RefCell<crate::unwind::Sent>,
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum TableSendError {
+pub(crate) enum TableSendError {
     #[error("the sampler refused the table: {0:?}")]
     Refused(TableRefusal),
     #[error("table call failed: {0}")]
@@ -48,7 +48,7 @@ pub enum TableSendError {
 
 impl Broker {
     /// Opens the broker channel: a second connection that presents the key.
-    pub async fn connect(
+    pub(crate) async fn connect(
         socket: &std::path::Path,
         subscription: subscription::Client,
         key: &[u8],
@@ -74,7 +74,7 @@ impl Broker {
 
     /// Sends the unwind table (`rows`, 8 bytes each) of mapping `index` of process
     /// `process_id`, in chunks; the sampler takes it for that file in every process.
-    pub async fn load_table(
+    pub(crate) async fn load_table(
         &self,
         process_id: u64,
         index: u32,
@@ -113,7 +113,7 @@ impl Broker {
     }
 
     /// The file of mapping `index` (as of `version`) of process `process_id`.
-    pub async fn open(
+    pub(crate) async fn open(
         &self,
         process_id: u64,
         index: u32,

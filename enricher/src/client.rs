@@ -22,23 +22,23 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(200);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
-pub enum ClientError {
+pub(crate) enum ClientError {
     #[error("{detail} (this firn-enricher speaks protocol version {ours})")]
     Version { ours: u32, detail: String },
 }
 
 #[derive(Debug, Clone)]
-pub struct SamplerInfo {
-    pub session_id: u64,
-    pub node: String,
-    pub kernel_release: String,
-    pub frequency_hz: u32,
-    pub round_seconds: u32,
-    pub kept_capabilities: Vec<String>,
-    pub counters: Vec<(String, u64)>,
+pub(crate) struct SamplerInfo {
+    pub(crate) session_id: u64,
+    pub(crate) node: String,
+    pub(crate) kernel_release: String,
+    pub(crate) frequency_hz: u32,
+    pub(crate) round_seconds: u32,
+    pub(crate) kept_capabilities: Vec<String>,
+    pub(crate) counters: Vec<(String, u64)>,
 }
 
-pub enum Event {
+pub(crate) enum Event {
     /// A session started; `broker` is absent when its channel could not be opened.
     Connected(SamplerInfo, Option<Rc<Broker>>),
     Batch(Batch),
@@ -80,7 +80,7 @@ impl batch_sink::Server for Sink {
 
 /// Runs forever: connects, subscribes, forwards events, reconnects. Returns only on a
 /// protocol version mismatch, which no retry can fix.
-pub async fn run(
+pub(crate) async fn run(
     socket: PathBuf,
     version: u32,
     tx: mpsc::Sender<Event>,

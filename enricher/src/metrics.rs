@@ -11,25 +11,25 @@ macro_rules! metrics {
         pub struct Metrics {
             $(#[doc = $help] pub $name: AtomicU64,)*
             /// Latest counters reported by the sampler (cumulative since its start).
-            pub sampler: Mutex<Vec<(String, u64)>>,
+            pub(crate) sampler: Mutex<Vec<(String, u64)>>,
             /// Seconds between a round's end and the end of its processing here.
-            pub round_lag_ms: AtomicU64,
+            pub(crate) round_lag_ms: AtomicU64,
             /// Processes in the table (gauge).
-            pub processes_known: AtomicU64,
+            pub(crate) processes_known: AtomicU64,
             /// Binaries in the symbol cache (gauge).
-            pub binaries_cached: AtomicU64,
+            pub(crate) binaries_cached: AtomicU64,
             /// Pods of this node known from the Kubernetes API (gauge).
-            pub kubernetes_pods: AtomicU64,
+            pub(crate) kubernetes_pods: AtomicU64,
             /// Bytes of symbol tables and DWARF whose parse the symbolizer holds (gauge).
-            pub symbol_bytes_held: AtomicU64,
+            pub(crate) symbol_bytes_held: AtomicU64,
             /// Named frames in the symbolizer's frame cache (gauge).
-            pub symbol_frames_cached: AtomicU64,
+            pub(crate) symbol_frames_cached: AtomicU64,
             /// Delivery counters of the upload sinks (OTLP, Parca).
-            pub sinks: Mutex<Vec<std::sync::Arc<SinkMetrics>>>,
+            pub(crate) sinks: Mutex<Vec<std::sync::Arc<SinkMetrics>>>,
         }
 
         impl Metrics {
-            pub fn render(&self) -> String {
+            pub(crate) fn render(&self) -> String {
                 let mut out = String::new();
                 $(
                     let _ = writeln!(out, "# HELP firn_enricher_{}_total {}", stringify!($name), $help);
@@ -135,11 +135,11 @@ metrics! {
 }
 
 impl Metrics {
-    pub fn inc(c: &AtomicU64) {
+    pub(crate) fn inc(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn add(c: &AtomicU64, n: u64) {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
     }
 }
@@ -148,18 +148,18 @@ macro_rules! sink_metrics {
     ($($name:ident: $kind:literal, $help:literal,)*) => {
         /// Delivery counters of one sink, rendered with a `sink` label on `/metrics`.
         #[derive(Default)]
-        pub struct SinkMetrics {
-            pub sink: &'static str,
+        pub(crate) struct SinkMetrics {
+            pub(crate) sink: &'static str,
             $(#[doc = $help] pub $name: AtomicU64,)*
         }
 
         impl SinkMetrics {
-            pub fn new(sink: &'static str) -> Self {
+            pub(crate) fn new(sink: &'static str) -> Self {
                 Self { sink, ..Default::default() }
             }
 
             /// Prometheus text for every sink; HELP and TYPE once per metric.
-            pub fn render(all: &[std::sync::Arc<SinkMetrics>], out: &mut String) {
+            pub(crate) fn render(all: &[std::sync::Arc<SinkMetrics>], out: &mut String) {
                 if all.is_empty() {
                     return;
                 }
@@ -202,15 +202,15 @@ sink_metrics! {
 }
 
 impl SinkMetrics {
-    pub fn inc(c: &AtomicU64) {
+    pub(crate) fn inc(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn add(c: &AtomicU64, n: u64) {
+    pub(crate) fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub fn set(c: &AtomicU64, n: u64) {
+    pub(crate) fn set(c: &AtomicU64, n: u64) {
         c.store(n, Ordering::Relaxed);
     }
 }

@@ -66,7 +66,7 @@ pub enum Frame {
 
 /// The names one frame stands for, callers first: its inline chain, a kernel symbol, or
 /// `file+0xoffset` for code no symbol names (the web view and OpenSearch show these).
-pub fn frame_names(f: &Frame, out: &mut Vec<Arc<str>>) {
+pub(crate) fn frame_names(f: &Frame, out: &mut Vec<Arc<str>>) {
     match f {
         Frame::Kernel(name) => out.push(name.clone()),
         Frame::User {

@@ -66,7 +66,7 @@ impl Builder {
         b
     }
 
-    pub fn comment(&mut self, text: &str) {
+    pub(crate) fn comment(&mut self, text: &str) {
         let s = self.string(text);
         self.p.comment.push(s);
     }
@@ -241,7 +241,7 @@ pub fn encode_gz(p: &Profile) -> std::io::Result<Vec<u8>> {
 }
 
 /// Total samples (first value) of a profile.
-pub fn sample_count(p: &Profile) -> i64 {
+pub(crate) fn sample_count(p: &Profile) -> i64 {
     p.sample
         .iter()
         .map(|s| s.value.first().copied().unwrap_or(0))

@@ -16,7 +16,7 @@ const MAX_ENTRIES: usize = 32_768;
 
 /// What is known of the file behind one mapping.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Binary {
+pub(crate) enum Binary {
     /// Not asked for yet.
     Unknown,
     /// Loaded into the symbol cache under this identity.
@@ -25,13 +25,13 @@ pub enum Binary {
     Failed { retry_round: u64 },
 }
 
-pub struct Entry {
-    pub record: Rc<Process>,
+pub(crate) struct Entry {
+    pub(crate) record: Rc<Process>,
     /// Mappings sorted by start, with their original index in the record.
-    pub sorted: Vec<(usize, Mapping)>,
-    pub binaries: Vec<Binary>,
+    pub(crate) sorted: Vec<(usize, Mapping)>,
+    pub(crate) binaries: Vec<Binary>,
     /// Samples seen of this process so far (its tables are sent past a threshold).
-    pub samples: u64,
+    pub(crate) samples: u64,
     last_round: u64,
 }
 
@@ -51,7 +51,7 @@ impl Entry {
     }
 
     /// The mapping containing `addr`: (index in the record, mapping).
-    pub fn mapping_of(&self, addr: u64) -> Option<(usize, &Mapping)> {
+    pub(crate) fn mapping_of(&self, addr: u64) -> Option<(usize, &Mapping)> {
         let i = self.sorted.partition_point(|(_, m)| m.start <= addr);
         let (idx, m) = self.sorted.get(i.checked_sub(1)?)?;
         (addr < m.end).then_some((*idx, m))
@@ -59,21 +59,21 @@ impl Entry {
 }
 
 #[derive(Default)]
-pub struct ProcessTable {
+pub(crate) struct ProcessTable {
     by_id: HashMap<u64, Entry>,
     session: u64,
 }
 
 impl ProcessTable {
     /// Forgets everything when the sampler session changes: ids are per session.
-    pub fn set_session(&mut self, session: u64) {
+    pub(crate) fn set_session(&mut self, session: u64) {
         if session != self.session {
             self.by_id.clear();
             self.session = session;
         }
     }
 
-    pub fn update(&mut self, records: Vec<Process>, round: u64) {
+    pub(crate) fn update(&mut self, records: Vec<Process>, round: u64) {
         for r in records {
             match self.by_id.get_mut(&r.process_id) {
                 // Same process, same mappings: nothing to redo.
@@ -89,15 +89,15 @@ impl ProcessTable {
         }
     }
 
-    pub fn get(&self, id: u64) -> Option<&Entry> {
+    pub(crate) fn get(&self, id: u64) -> Option<&Entry> {
         self.by_id.get(&id)
     }
 
-    pub fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
+    pub(crate) fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
         self.by_id.get_mut(&id)
     }
 
-    pub fn touch(&mut self, id: u64, round: u64, samples: u64) {
+    pub(crate) fn touch(&mut self, id: u64, round: u64, samples: u64) {
         if let Some(e) = self.by_id.get_mut(&id) {
             e.last_round = round;
             e.samples = e.samples.saturating_add(samples);
@@ -105,7 +105,7 @@ impl ProcessTable {
     }
 
     /// Drops the records the sampler forgot, after the batch's samples were handled.
-    pub fn forget(&mut self, ids: &[u64]) {
+    pub(crate) fn forget(&mut self, ids: &[u64]) {
         for id in ids {
             self.by_id.remove(id);
         }
@@ -122,7 +122,7 @@ impl ProcessTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.by_id.len()
     }
 }

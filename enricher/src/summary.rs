@@ -6,7 +6,7 @@ use std::io::Write;
 use crate::client::Event;
 
 /// Writes one JSON line per event. A closed stdout is not an error worth reporting.
-pub fn print(ev: &Event) {
+pub(crate) fn print(ev: &Event) {
     let line = match ev {
         Event::Connected(info, _) => serde_json::json!({
             "connected": {

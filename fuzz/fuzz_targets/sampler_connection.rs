@@ -7,16 +7,13 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 
-use firn_sampler::counters::Counters;
-use firn_sampler::handles::Handles;
-use firn_sampler::hub::Hub;
-use firn_sampler::rpc::{self, Identity, Shared};
+use firn_sampler::{handle_connection, Counters, Handles, Hub, Identity, Shared, Unwind};
 use libfuzzer_sys::fuzz_target;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 fn shared() -> Rc<Shared> {
     let counters = Rc::new(Counters::default());
-    let unwind = firn_sampler::unwind::Unwind::disabled(counters.clone());
+    let unwind = Unwind::disabled(counters.clone());
     Rc::new(Shared {
         hub: Hub::new(4, counters.clone()),
         counters,
@@ -45,7 +42,7 @@ fuzz_target!(|data: &[u8]| {
     local.block_on(&rt, async {
         let (mut client, server_end) = tokio::net::UnixStream::pair().expect("socketpair");
         let shared = shared();
-        let handler = tokio::task::spawn_local(rpc::handle(server_end, shared.clone()));
+        let handler = tokio::task::spawn_local(handle_connection(server_end, shared.clone()));
         // The server may close early (that is the point of some inputs): write errors
         // are expected, not failures.
         let _ = client.write_all(data).await;

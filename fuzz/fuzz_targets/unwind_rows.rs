@@ -4,7 +4,7 @@
 //! overlapping runs or more rows than it has.
 #![no_main]
 
-use firn_sampler::unwind::{check_rows, Pool, ROW_BYTES};
+use firn_sampler::{check_rows, Pool, ROW_BYTES};
 use firn_schema::unwind_row::Row;
 use libfuzzer_sys::fuzz_target;
 

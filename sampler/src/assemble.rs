@@ -13,43 +13,43 @@ use crate::processes::ProcessTable;
 use crate::procfs::ProcessRecord;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StackStatus {
+pub(crate) enum StackStatus {
     Ok,
     Absent,
     Lost,
     Error,
 }
 
-pub struct Sample {
-    pub process_id: u64,
-    pub pid: u32,
-    pub tid: u32,
-    pub comm: [u8; COMM_LEN],
-    pub count: u64,
-    pub user: Rc<[u64]>,
-    pub kernel: Vec<u32>,
-    pub user_status: StackStatus,
-    pub kernel_status: StackStatus,
+pub(crate) struct Sample {
+    pub(crate) process_id: u64,
+    pub(crate) pid: u32,
+    pub(crate) tid: u32,
+    pub(crate) comm: [u8; COMM_LEN],
+    pub(crate) count: u64,
+    pub(crate) user: Rc<[u64]>,
+    pub(crate) kernel: Vec<u32>,
+    pub(crate) user_status: StackStatus,
+    pub(crate) kernel_status: StackStatus,
     /// Why the unwinder stopped (`enum firn_unwind_end`).
-    pub unwind_end: u32,
+    pub(crate) unwind_end: u32,
 }
 
 /// A process record as issued to subscribers: its session id and mapping version.
 #[derive(Clone)]
-pub struct Issued {
-    pub id: u64,
-    pub version: u32,
-    pub record: Rc<ProcessRecord>,
+pub(crate) struct Issued {
+    pub(crate) id: u64,
+    pub(crate) version: u32,
+    pub(crate) record: Rc<ProcessRecord>,
 }
 
-pub struct RoundData {
-    pub round: u64,
-    pub start_time_ns: u64,
-    pub end_time_ns: u64,
-    pub samples: Vec<Sample>,
-    pub kernel_symbols: Vec<Rc<[u8]>>,
+pub(crate) struct RoundData {
+    pub(crate) round: u64,
+    pub(crate) start_time_ns: u64,
+    pub(crate) end_time_ns: u64,
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) kernel_symbols: Vec<Rc<[u8]>>,
     /// Every process the samples refer to, as of this round.
-    pub processes: Vec<Issued>,
+    pub(crate) processes: Vec<Issued>,
 }
 
 const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
@@ -92,7 +92,7 @@ fn status(r: StackRef, drained: &Drained) -> StackStatus {
     }
 }
 
-pub fn assemble(
+pub(crate) fn assemble(
     drained: Drained,
     kallsyms: &Kallsyms,
     table: &mut ProcessTable,

@@ -14,7 +14,7 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::Link;
 
 #[derive(Debug, thiserror::Error)]
-pub enum AttachError {
+pub(crate) enum AttachError {
     #[error(
         "loading the BPF program failed: {0}. firn needs a kernel with BTF \
          (/sys/kernel/btf/vmlinux) and CAP_BPF + CAP_PERFMON (or root)"
@@ -54,15 +54,15 @@ pub enum AttachError {
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
-pub struct Sampling {
-    pub skel: ProfileSkel<'static>,
+pub(crate) struct Sampling {
+    pub(crate) skel: ProfileSkel<'static>,
     links: Vec<Link>,
     cpus: Vec<u32>,
     /// The exec and exit hooks.
     _hooks: [Link; 2],
-    pub events: crate::events::Events,
+    pub(crate) events: crate::events::Events,
     /// The unwinder's tables and process mappings (shared with the server).
-    pub unwind: Rc<RefCell<Unwind>>,
+    pub(crate) unwind: Rc<RefCell<Unwind>>,
 }
 
 impl crate::rounds::MapSets for Sampling {
@@ -137,12 +137,12 @@ impl crate::rounds::MapSets for Sampling {
 }
 
 impl Sampling {
-    pub fn links(&self) -> usize {
+    pub(crate) fn links(&self) -> usize {
         self.links.len()
     }
 
     /// Online CPUs the program is attached to.
-    pub fn cpus(&self) -> &[u32] {
+    pub(crate) fn cpus(&self) -> &[u32] {
         &self.cpus
     }
 }
@@ -160,7 +160,7 @@ fn random_seed() -> Result<u64, std::io::Error> {
 
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
 /// two, at least one page) and attaches it to every online CPU and to exec and exit.
-pub fn load_and_attach(
+pub(crate) fn load_and_attach(
     frequency: u32,
     events_kib: u32,
     limits: Limits,
@@ -285,7 +285,7 @@ fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {
     Ok(ret as RawFd)
 }
 
-pub fn online_cpus() -> std::io::Result<Vec<u32>> {
+pub(crate) fn online_cpus() -> std::io::Result<Vec<u32>> {
     let text = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
     parse_cpu_list(&text).ok_or_else(|| {
         std::io::Error::new(
@@ -299,7 +299,7 @@ pub fn online_cpus() -> std::io::Result<Vec<u32>> {
 /// attached one that was seen offline since (`gone`). Taking a CPU offline ends its
 /// perf event for good, and a confined sampler cannot open a new one. (Sample counts
 /// cannot tell: an idle CPU may take no sample for whole rounds.)
-pub fn unsampled_cpu(attached: &[u32], online: &[u32], gone: &[u32]) -> Option<u32> {
+pub(crate) fn unsampled_cpu(attached: &[u32], online: &[u32], gone: &[u32]) -> Option<u32> {
     online
         .iter()
         .copied()

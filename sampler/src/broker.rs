@@ -37,7 +37,7 @@ use crate::procfs::{self, Mapping, ProcError, ProcessRecord};
 /// A handle taken while the process lived ([`Handles`]) is used first: it reaches the
 /// file after the process exited. Otherwise the path is walked in the live process's
 /// root.
-pub fn open_mapping(
+pub(crate) fn open_mapping(
     record: &ProcessRecord,
     index: usize,
     handles: &Handles,
@@ -61,7 +61,7 @@ pub fn open_mapping(
 /// not mark deleted, kept whole, and of a depth real binaries have. A cut or absurdly
 /// deep path is never walked: it cannot be the mapped file, and walking it would let
 /// any local user spend the sampler's time.
-pub fn walkable(m: &Mapping) -> Result<(), Refusal> {
+pub(crate) fn walkable(m: &Mapping) -> Result<(), Refusal> {
     if m.path.ends_with(b" (deleted)") {
         return Err(Refusal::Deleted);
     }
@@ -75,13 +75,13 @@ pub fn walkable(m: &Mapping) -> Result<(), Refusal> {
 }
 
 /// Whether `m`'s path is whole and at most [`MAX_DEPTH`] components deep.
-pub fn shallow(m: &Mapping) -> bool {
+pub(crate) fn shallow(m: &Mapping) -> bool {
     !m.cut && components(&m.path).nth(MAX_DEPTH).is_none()
 }
 
 /// An `O_PATH` handle of the root directory of the process whose `/proc/<pid>`
 /// directory is `proc_dir`: where its paths are resolved.
-pub fn open_root(proc_dir: &OwnedFd) -> Result<OwnedFd, Refusal> {
+pub(crate) fn open_root(proc_dir: &OwnedFd) -> Result<OwnedFd, Refusal> {
     openat(
         proc_dir.as_fd(),
         "root",
@@ -94,7 +94,11 @@ pub fn open_root(proc_dir: &OwnedFd) -> Result<OwnedFd, Refusal> {
 /// An `O_PATH` handle of `m`'s path resolved inside `root`, once it is a regular file
 /// with the mapping's device and inode. `steps` is the walk's budget of path
 /// components (symlink targets included), spent as they are walked.
-pub fn checked_handle(root: &OwnedFd, m: &Mapping, steps: &mut u32) -> Result<OwnedFd, Refusal> {
+pub(crate) fn checked_handle(
+    root: &OwnedFd,
+    m: &Mapping,
+    steps: &mut u32,
+) -> Result<OwnedFd, Refusal> {
     let handle = resolve_in_root(root, &m.path, steps)?;
     let st = fstat(handle.as_fd()).map_err(|_| Refusal::OpenFailed)?;
     if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
@@ -107,7 +111,7 @@ pub fn checked_handle(root: &OwnedFd, m: &Mapping, steps: &mut u32) -> Result<Ow
 }
 
 /// Opens the file an `O_PATH` handle pins, read-only. The caller has checked its type.
-pub fn reopen_read_only(handle: &OwnedFd) -> Result<OwnedFd, Refusal> {
+pub(crate) fn reopen_read_only(handle: &OwnedFd) -> Result<OwnedFd, Refusal> {
     let link = format!("/proc/self/fd/{}", handle.as_raw_fd());
     let fd = nix::fcntl::open(
         link.as_str(),
@@ -129,10 +133,10 @@ pub fn reopen_read_only(handle: &OwnedFd) -> Result<OwnedFd, Refusal> {
 /// Symlinks followed at most while resolving one path (the kernel's MAXSYMLINKS).
 const MAX_LINKS: u32 = 40;
 /// Components walked at most for one path, symlink expansions included.
-pub const MAX_STEPS: u32 = 256;
+pub(crate) const MAX_STEPS: u32 = 256;
 /// Components of a mapped path at most: deeper paths are not walked at all (real
 /// binaries sit a few to a few tens of directories deep).
-pub const MAX_DEPTH: usize = 128;
+pub(crate) const MAX_DEPTH: usize = 128;
 
 fn open_err(e: nix::errno::Errno) -> Refusal {
     match e {
@@ -144,7 +148,11 @@ fn open_err(e: nix::errno::Errno) -> Refusal {
 /// Resolves `path` as if `root` were `/`, following symlinks within it, to an `O_PATH`
 /// handle of its last component (never a symlink). Nothing on the way is opened for I/O.
 /// Each component walked spends one of `budget`; at most [`MAX_STEPS`] are spent.
-pub fn resolve_in_root(root: &OwnedFd, path: &[u8], budget: &mut u32) -> Result<OwnedFd, Refusal> {
+pub(crate) fn resolve_in_root(
+    root: &OwnedFd,
+    path: &[u8],
+    budget: &mut u32,
+) -> Result<OwnedFd, Refusal> {
     // Directories walked so far; empty means "at root". `..` pops, never past root.
     let mut dirs: Vec<OwnedFd> = Vec::new();
     let mut pending: std::collections::VecDeque<Vec<u8>> = components(path).collect();
@@ -204,7 +212,7 @@ fn components(path: &[u8]) -> impl Iterator<Item = Vec<u8>> + '_ {
 }
 
 /// Sends `fd` tagged with `ticket` without blocking. The sampler's copy closes on return.
-pub fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Refusal> {
+pub(crate) fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Refusal> {
     let mut msg = [0u8; 16];
     msg[..8].copy_from_slice(&ticket.to_le_bytes());
     let iov = [IoSlice::new(&msg)];
@@ -224,8 +232,8 @@ pub fn send_fd(channel: &UnixStream, ticket: u64, fd: OwnedFd) -> Result<(), Ref
 }
 
 /// Broker opens per subscriber: sustained per second, and burst.
-pub const BROKER_RATE: f64 = 200.0;
-pub const BROKER_BURST: f64 = 2_000.0;
+pub(crate) const BROKER_RATE: f64 = 200.0;
+pub(crate) const BROKER_BURST: f64 = 2_000.0;
 
 #[cfg(test)]
 mod tests {

@@ -13,46 +13,46 @@ use clap::Parser;
 /// and `--socket` is ignored.
 #[derive(Debug, Parser)]
 #[command(name = "firn-sampler", version, about, long_about)]
-pub struct Args {
+pub(crate) struct Args {
     /// Sampling frequency per CPU, in Hz (1–10000).
     #[arg(long, default_value_t = 19, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub frequency: u32,
+    pub(crate) frequency: u32,
 
     /// Length of one round in seconds (1–600): one batch per round to every subscriber.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=600))]
-    pub round: u32,
+    pub(crate) round: u32,
 
     /// Path of the Unix socket to create (mode 0660). Its directory must exist and the
     /// path must be free (a stale socket with no listener is replaced).
     #[arg(long, default_value = "/run/firn/sampler.sock")]
-    pub socket: PathBuf,
+    pub(crate) socket: PathBuf,
 
     /// Group that owns the created socket (name or numeric gid); default: root's group.
     #[arg(long)]
-    pub socket_group: Option<String>,
+    pub(crate) socket_group: Option<String>,
 
     /// Users allowed to connect, by name or uid (repeatable or comma-separated).
     /// uid 0 is always allowed.
     #[arg(long, value_delimiter = ',')]
-    pub allow_uid: Vec<String>,
+    pub(crate) allow_uid: Vec<String>,
 
     /// Groups allowed to connect, by name or gid: a peer whose primary or supplementary
     /// groups (as of its connect) include one is allowed.
     #[arg(long, value_delimiter = ',')]
-    pub allow_gid: Vec<String>,
+    pub(crate) allow_gid: Vec<String>,
 
     /// Batches kept per subscriber before the oldest is dropped (1–64).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    pub queue_batches: u32,
+    pub(crate) queue_batches: u32,
 
     /// Simultaneous client connections (1–256); more are refused and counted.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
-    pub max_connections: u32,
+    pub(crate) max_connections: u32,
 
     /// Seconds a client may leave its answers unread (once the socket buffer is full)
     /// before its connection is closed and counted.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=3600))]
-    pub write_stall_seconds: u64,
+    pub(crate) write_stall_seconds: u64,
 
     /// Size of the ring buffer of process events, in KiB (a power of two, 4–65536). The
     /// BPF program announces each process's first sample (and the exec and exit of
@@ -60,50 +60,50 @@ pub struct Args {
     /// process still runs. When it is full, events are lost (counted as
     /// bpf_events_lost) and the process is announced by its next sample instead.
     #[arg(long, default_value_t = 256, value_parser = events_kib)]
-    pub events_buffer_kib: u32,
+    pub(crate) events_buffer_kib: u32,
 
     /// Handles of recently mapped files kept so that binaries of exited processes can
     /// still be brokered (0–65536; each is one file descriptor; fewer if RLIMIT_NOFILE's
     /// hard limit is lower). 0: only binaries of live processes are brokered.
     #[arg(long, default_value_t = crate::handles::MAX_HANDLES as u32, value_parser = clap::value_parser!(u32).range(0..=65_536))]
-    pub binary_handles: u32,
+    pub(crate) binary_handles: u32,
 
     /// Rows of the unwind table pool shared by all binaries (0–67108864; 8 bytes each,
     /// kernel memory allocated at start). The enricher builds a table per binary from its
     /// CFI so that code without frame pointers unwinds whole; tables of binaries no
     /// known process maps are evicted to make room. 0: no tables, frame pointers only.
     #[arg(long, default_value_t = crate::unwind::DEFAULT_POOL_ROWS, value_parser = clap::value_parser!(u32).range(0..=(64 << 20)))]
-    pub unwind_rows: u32,
+    pub(crate) unwind_rows: u32,
 
     /// Rows one binary's table may have (1–16777215); a larger table is refused and
     /// counted, and that binary is unwound by frame pointers.
     #[arg(long, default_value_t = crate::unwind::DEFAULT_TABLE_ROWS, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::unwind::MAX_TABLE_ROWS)))]
-    pub unwind_table_rows: u32,
+    pub(crate) unwind_table_rows: u32,
 
     /// After setup, run as this user (name or uid) instead of root, keeping only
     /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a
     /// compromised sampler. Binaries only root may reach (e.g. under a 0700 /root) can then
     /// not be brokered. Its primary group is taken too; supplementary groups are dropped.
     #[arg(long)]
-    pub user: Option<String>,
+    pub(crate) user: Option<String>,
 
     /// Print the seccomp allow-list of the steady state (a Markdown table) and exit.
     #[arg(long)]
-    pub print_seccomp: bool,
+    pub(crate) print_seccomp: bool,
 
     /// Print the OCI seccomp profile for the sampler's container (setup and steady
     /// state, by name; JSON for podman, CRI-O, containerd and the kubelet) and exit.
     #[arg(long)]
-    pub print_seccomp_profile: bool,
+    pub(crate) print_seccomp_profile: bool,
 
     /// Write that profile to PATH (creating its directory) and exit: the Kubernetes
     /// init step that puts it where the kubelet reads Localhost profiles.
     #[arg(long, value_name = "PATH")]
-    pub install_seccomp_profile: Option<PathBuf>,
+    pub(crate) install_seccomp_profile: Option<PathBuf>,
 
     /// Log filter (tracing EnvFilter syntax), e.g. `info` or `firn_sampler=debug`.
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
-    pub log: String,
+    pub(crate) log: String,
 }
 
 fn events_kib(s: &str) -> Result<u32, String> {

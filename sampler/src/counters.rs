@@ -3,12 +3,12 @@
 use std::cell::Cell;
 
 /// Counts one more.
-pub fn bump(c: &Cell<u64>) {
+pub(crate) fn bump(c: &Cell<u64>) {
     add(c, 1);
 }
 
 /// Counts `n` more (saturating: a counter never wraps).
-pub fn add(c: &Cell<u64>, n: u64) {
+pub(crate) fn add(c: &Cell<u64>, n: u64) {
     c.set(c.get().saturating_add(n));
 }
 
@@ -22,7 +22,7 @@ macro_rules! counters {
         }
 
         impl Counters {
-            pub fn list(&self) -> Vec<(&'static str, u64)> {
+            pub(crate) fn list(&self) -> Vec<(&'static str, u64)> {
                 vec![
                     $((stringify!($name), self.$name.get()),)*
                     ("log_lines_suppressed", firn_logs::suppressed()),

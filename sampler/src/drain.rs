@@ -15,18 +15,18 @@ use firn_sampler_bpf::{COMM_LEN, MAX_STACK_DEPTH};
 use libbpf_rs::libbpf_sys;
 
 /// Far longer than any run of the program (interrupt context, microseconds).
-pub const GRACE: Duration = Duration::from_millis(20);
+pub(crate) const GRACE: Duration = Duration::from_millis(20);
 
 /// `struct firn_sample_key` of `profile.bpf.h`, as the skeleton generates it.
 type Key = firn_sampler_bpf::types::firn_sample_key;
 /// Bytes of a counts map key.
-pub const KEY_SIZE: usize = std::mem::size_of::<Key>();
+pub(crate) const KEY_SIZE: usize = std::mem::size_of::<Key>();
 // The comm is the key's last field and COMM_LEN bytes long.
 const _: () = assert!(std::mem::offset_of!(Key, comm) + COMM_LEN == KEY_SIZE);
 const BATCH: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
-pub enum DrainError {
+pub(crate) enum DrainError {
     #[error("draining the counts map: {0}")]
     Counts(std::io::Error),
     #[error("the BPF key is {got} bytes, the sampler expects {KEY_SIZE}")]
@@ -36,7 +36,7 @@ pub enum DrainError {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StackRef {
+pub(crate) enum StackRef {
     /// A stack id in the drained set's stack map.
     Id(u32),
     /// -errno from bpf_get_stackid.
@@ -45,7 +45,7 @@ pub enum StackRef {
 
 /// A user stack as the key names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UserRef {
+pub(crate) enum UserRef {
     /// Key in the drained set's ustacks map.
     Hash(u64),
     /// -errno: EFAULT no user stack, ENOMEM the map was full.
@@ -53,29 +53,29 @@ pub enum UserRef {
 }
 
 #[derive(Debug, Clone)]
-pub struct RawSample {
-    pub tgid: u32,
-    pub tid: u32,
-    pub start_ns: u64,
+pub(crate) struct RawSample {
+    pub(crate) tgid: u32,
+    pub(crate) tid: u32,
+    pub(crate) start_ns: u64,
     /// The process's exec count: samples before and after an exec differ here.
-    pub exec_id: u32,
-    pub comm: [u8; COMM_LEN],
-    pub user: UserRef,
-    pub kernel: StackRef,
+    pub(crate) exec_id: u32,
+    pub(crate) comm: [u8; COMM_LEN],
+    pub(crate) user: UserRef,
+    pub(crate) kernel: StackRef,
     /// Why the unwinder stopped (`enum firn_unwind_end`).
-    pub unwind_end: u32,
-    pub count: u64,
+    pub(crate) unwind_end: u32,
+    pub(crate) count: u64,
 }
 
 #[derive(Debug, Default)]
-pub struct Drained {
-    pub samples: Vec<RawSample>,
+pub(crate) struct Drained {
+    pub(crate) samples: Vec<RawSample>,
     /// Frames of each kernel stack id referenced by a sample (innermost first).
-    pub stacks: HashMap<u32, Vec<u64>>,
+    pub(crate) stacks: HashMap<u32, Vec<u64>>,
     /// Frames of each user stack referenced by a sample (innermost first).
-    pub user_stacks: HashMap<u64, Vec<u64>>,
+    pub(crate) user_stacks: HashMap<u64, Vec<u64>>,
     /// Stacks referenced but not found in the stack map.
-    pub stack_lookup_failures: u64,
+    pub(crate) stack_lookup_failures: u64,
 }
 
 fn parse_key(k: &[u8]) -> Option<RawSample> {
@@ -111,7 +111,7 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
 
 /// Checks the loaded maps against the layout this build reads: the counts map's key
 /// size and the stack map's value size.
-pub fn check_layout(key_size: u32, stack_value_size: u32) -> Result<(), DrainError> {
+pub(crate) fn check_layout(key_size: u32, stack_value_size: u32) -> Result<(), DrainError> {
     check_key_size(key_size)?;
     if stack_value_size as usize != MAX_STACK_DEPTH * 8 {
         return Err(DrainError::StackSize {
@@ -121,7 +121,7 @@ pub fn check_layout(key_size: u32, stack_value_size: u32) -> Result<(), DrainErr
     Ok(())
 }
 
-pub fn check_key_size(got: u32) -> Result<(), DrainError> {
+pub(crate) fn check_key_size(got: u32) -> Result<(), DrainError> {
     if got as usize == KEY_SIZE {
         Ok(())
     } else {
@@ -130,7 +130,7 @@ pub fn check_key_size(got: u32) -> Result<(), DrainError> {
 }
 
 /// Empties `counts` (a hash of key → u64) and the stacks its keys refer to.
-pub fn drain(
+pub(crate) fn drain(
     counts: BorrowedFd<'_>,
     stacks: BorrowedFd<'_>,
     ustacks: BorrowedFd<'_>,
@@ -249,7 +249,7 @@ fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
 }
 
 /// Sums a per-CPU u64 array slot over all CPUs.
-pub fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
+pub(crate) fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
     let vals = map
         .lookup_percpu(&slot.to_ne_bytes(), libbpf_rs::MapFlags::ANY)
         .ok()??;
@@ -262,11 +262,6 @@ pub fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
             })
             .sum(),
     )
-}
-
-/// Borrowed fd of a map, for the raw calls above.
-pub fn fd_of(map: &dyn libbpf_rs::MapCore) -> BorrowedFd<'_> {
-    map.as_fd()
 }
 
 #[cfg(test)]

@@ -13,10 +13,10 @@ use seccompiler::{
 /// The one capability kept in the steady state: reading /proc/<pid>/maps and opening
 /// /proc/<pid>/root/... of processes of other users (ptrace read access checks).
 /// Seccomp denies every ptrace-family syscall, so it cannot be used to trace.
-pub const KEPT: &[Capability] = &[Capability::CAP_SYS_PTRACE];
+pub(crate) const KEPT: &[Capability] = &[Capability::CAP_SYS_PTRACE];
 
 #[derive(Debug, thiserror::Error)]
-pub enum DropError {
+pub(crate) enum DropError {
     #[error("the sampler has {0} threads before dropping privileges; it must have one")]
     Threads(usize),
     #[error("dropping {cap} from the {set:?} set: {source}")]
@@ -48,7 +48,7 @@ pub enum DropError {
 
 /// The uid and primary gid of `--user` (a name or a number; a number needs no passwd
 /// entry and then keeps gid = uid).
-pub fn resolve_user(user: &str) -> Result<(u32, u32), DropError> {
+pub(crate) fn resolve_user(user: &str) -> Result<(u32, u32), DropError> {
     if let Ok(uid) = user.parse::<u32>() {
         return Ok(
             match nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)) {
@@ -77,7 +77,7 @@ fn caps_err(
 /// Drops every capability but [`KEPT`] from all sets, locks the securebits so that uid 0
 /// regains nothing, optionally switches to `run_as` (uid, gid) keeping [`KEPT`], and sets
 /// no_new_privs.
-pub fn drop_capabilities(run_as: Option<(u32, u32)>) -> Result<(), DropError> {
+pub(crate) fn drop_capabilities(run_as: Option<(u32, u32)>) -> Result<(), DropError> {
     let threads = std::fs::read_dir("/proc/self/task").map_or(1, |d| d.count());
     if threads != 1 {
         // Capabilities are per thread: a thread started earlier would keep them.
@@ -198,7 +198,7 @@ impl Allowed {
     }
 
     /// The restriction in words, as the README's table shows it.
-    pub fn restriction(&self) -> String {
+    pub(crate) fn restriction(&self) -> String {
         match self.check {
             Check::Any => "–".to_string(),
             Check::OneOf { values, .. } => values
@@ -447,7 +447,7 @@ pub const SETUP: &[Setup] = setup_list!(setup!(SYS_ppoll, START));
 /// sampler's own filter narrows to [`ALLOWED`] with its checks as soon as setup ends.
 /// Refusals return ENOSYS, which glibc and Rust's std take as "not implemented here"
 /// and fall back from (e.g. a newer glibc's first `clone3`).
-pub fn container_profile() -> String {
+pub(crate) fn container_profile() -> String {
     let arch = match std::env::consts::ARCH {
         "aarch64" => "SCMP_ARCH_AARCH64",
         _ => "SCMP_ARCH_X86_64",
@@ -481,7 +481,7 @@ pub fn container_profile() -> String {
 }
 
 /// The allow-list as the README's table shows it (`firn-sampler --print-seccomp`).
-pub fn table() -> String {
+pub(crate) fn table() -> String {
     let mut out = String::from("| syscall | restriction | why |\n|---|---|---|\n");
     for a in ALLOWED {
         out.push_str(&format!(
@@ -501,7 +501,7 @@ fn cond(arg: u8, len: Len, op: Op, value: u64) -> Result<SeccompCondition, DropE
 /// Builds the filter from [`ALLOWED`]. Anything else fails with EPERM (chosen over
 /// killing so that an unforeseen library path shows up as an error in the logs, not a
 /// silent death).
-pub fn build_filter() -> Result<BpfProgram, DropError> {
+pub(crate) fn build_filter() -> Result<BpfProgram, DropError> {
     let arch = match std::env::consts::ARCH {
         "x86_64" => TargetArch::x86_64,
         "aarch64" => TargetArch::aarch64,
@@ -536,7 +536,7 @@ pub fn build_filter() -> Result<BpfProgram, DropError> {
 }
 
 /// Installs `filter` on every thread of the process (TSYNC).
-pub fn confine(filter: &BpfProgram) -> Result<(), DropError> {
+pub(crate) fn confine(filter: &BpfProgram) -> Result<(), DropError> {
     seccompiler::apply_filter_all_threads(filter)?;
     Ok(())
 }

@@ -13,26 +13,26 @@ use libbpf_rs::{MapCore, RingBuffer, RingBufferBuilder};
 use crate::processes::ProcKey;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventKind {
+pub(crate) enum EventKind {
     New,
     Exec,
     Exit,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ProcEvent {
-    pub kind: EventKind,
-    pub key: ProcKey,
+pub(crate) struct ProcEvent {
+    pub(crate) kind: EventKind,
+    pub(crate) key: ProcKey,
     /// Comm of the thread that triggered it (NUL-padded).
-    pub comm: [u8; firn_sampler_bpf::COMM_LEN],
+    pub(crate) comm: [u8; firn_sampler_bpf::COMM_LEN],
     /// NEW: the inode of the executable the process ran at that sample (0: unknown).
-    pub exe_ino: u64,
+    pub(crate) exe_ino: u64,
 }
 
 const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
 
 /// A ring buffer record as the program writes it; `None` for any other size or kind.
-pub fn parse(b: &[u8]) -> Option<ProcEvent> {
+pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
     if b.len() != EVENT_SIZE {
         return None;
     }
@@ -58,7 +58,7 @@ pub fn parse(b: &[u8]) -> Option<ProcEvent> {
 }
 
 /// The consumer side of the `events` ring buffer.
-pub struct Events {
+pub(crate) struct Events {
     ring: RingBuffer<'static>,
     queue: Rc<RefCell<Vec<ProcEvent>>>,
     malformed: Rc<Cell<u64>>,
@@ -66,7 +66,7 @@ pub struct Events {
 
 impl Events {
     /// Set up while privileged: maps the ring buffer and creates its epoll instance.
-    pub fn new(map: &dyn MapCore) -> Result<Self, libbpf_rs::Error> {
+    pub(crate) fn new(map: &dyn MapCore) -> Result<Self, libbpf_rs::Error> {
         let queue = Rc::new(RefCell::new(Vec::new()));
         let malformed = Rc::new(Cell::new(0));
         let (q, bad) = (queue.clone(), malformed.clone());
@@ -86,13 +86,13 @@ impl Events {
     }
 
     /// Readable when events wait (an epoll fd the event loop watches).
-    pub fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.ring.epoll_fd()
     }
 
     /// The events written so far (reads shared memory only: no syscall), and how many
     /// records were malformed since the last call.
-    pub fn take(&self) -> (Vec<ProcEvent>, u64) {
+    pub(crate) fn take(&self) -> (Vec<ProcEvent>, u64) {
         // An error here is only a callback's negative return, which ours never gives.
         let _ = self.ring.consume();
         (

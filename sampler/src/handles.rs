@@ -27,25 +27,25 @@ use crate::procfs::Mapping;
 
 /// Rounds a handle stays without use: the enricher asks for a round's binaries as soon
 /// as it has the round, so two rounds of slack cover a slow subscriber.
-pub const IDLE_ROUNDS: u64 = 3;
+pub(crate) const IDLE_ROUNDS: u64 = 3;
 /// Handles held at most by default (each is one fd); lowered to fit RLIMIT_NOFILE.
-pub const MAX_HANDLES: usize = 4096;
+pub(crate) const MAX_HANDLES: usize = 4096;
 /// Path components walked per round at most, over all walks (each is one `openat` and
 /// one `fstat`, a few microseconds): a few tens of milliseconds of the sampler a round.
-pub const STEPS_PER_ROUND: u32 = 16_384;
+pub(crate) const STEPS_PER_ROUND: u32 = 16_384;
 /// Records whose files wait to be walked at most; past it the oldest wait is dropped.
-pub const MAX_QUEUED: usize = 1024;
+pub(crate) const MAX_QUEUED: usize = 1024;
 /// Rounds a file whose walk failed is left alone (the same path fails the same way).
-pub const FAILED_ROUNDS: u64 = 6;
+pub(crate) const FAILED_ROUNDS: u64 = 6;
 /// Failed files remembered at most.
 const MAX_FAILED: usize = 8192;
 /// File descriptors left for everything else (clients, /proc reads, BPF).
-pub const RESERVED_FDS: usize = 512;
+pub(crate) const RESERVED_FDS: usize = 512;
 
 /// (device, inode) of a mapped file, as `stat` reports the device.
-pub type FileId = (u64, u64);
+pub(crate) type FileId = (u64, u64);
 
-pub fn file_id(m: &Mapping) -> FileId {
+pub(crate) fn file_id(m: &Mapping) -> FileId {
     (libc::makedev(m.dev_major, m.dev_minor), m.inode)
 }
 
@@ -80,18 +80,20 @@ impl Handles {
         }
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.by_file.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.by_file.is_empty()
     }
 
     /// Notes the files of a record just read: those held are marked used, the others
     /// wait for [`take_queued`](Self::take_queued). `proc_dir` is the process's
     /// `/proc/<pid>` directory, kept open until then.
-    pub fn queue(&mut self, proc_dir: OwnedFd, mappings: &[Mapping], c: &Counters) {
+    pub(crate) fn queue(&mut self, proc_dir: OwnedFd, mappings: &[Mapping], c: &Counters) {
         if self.max == 0 {
             return;
         }
@@ -116,7 +118,7 @@ impl Handles {
     }
 
     /// Walks to the files queued, oldest record first, within the round's budget.
-    pub fn take_queued(&mut self, c: &Counters) {
+    pub(crate) fn take_queued(&mut self, c: &Counters) {
         while let Some((dir, maps)) = self.queue.pop_front() {
             self.take(&dir, &maps, c);
         }
@@ -125,7 +127,7 @@ impl Handles {
     /// Takes a handle of each mapping not yet held, resolving it inside the root of the
     /// process whose `/proc/<pid>` directory is `proc_dir`. Failures are counted and
     /// leave the broker's path walk as the way to the file.
-    pub fn take(&mut self, proc_dir: &OwnedFd, mappings: &[Mapping], c: &Counters) {
+    pub(crate) fn take(&mut self, proc_dir: &OwnedFd, mappings: &[Mapping], c: &Counters) {
         if self.max == 0 {
             return;
         }
@@ -204,14 +206,14 @@ impl Handles {
     /// Opens the held file `id` read-only, if a handle of it is held. A request does not
     /// extend the handle's life: only records read do, so a client asking again and
     /// again cannot keep a file (and its mount) pinned.
-    pub fn open(&self, id: FileId) -> Option<Result<OwnedFd, Refusal>> {
+    pub(crate) fn open(&self, id: FileId) -> Option<Result<OwnedFd, Refusal>> {
         let h = self.by_file.get(&id)?;
         Some(crate::broker::reopen_read_only(&h.fd))
     }
 
     /// Starts round `round`: handles unused for [`IDLE_ROUNDS`] are closed and the
     /// round's walks are available again.
-    pub fn end_round(&mut self, round: u64, c: &Counters) {
+    pub(crate) fn end_round(&mut self, round: u64, c: &Counters) {
         self.round = round;
         self.steps_left = STEPS_PER_ROUND;
         let before = self.by_file.len();
@@ -235,7 +237,7 @@ impl Handles {
 
 /// Raises the soft RLIMIT_NOFILE to the hard one (setup, before confinement) and
 /// returns how many handles fit beside [`RESERVED_FDS`].
-pub fn fit_to_fd_limit(wanted: usize) -> usize {
+pub(crate) fn fit_to_fd_limit(wanted: usize) -> usize {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
         return 0;

@@ -19,48 +19,48 @@ use firn_logs::TokenBucket;
 /// `ProcessRecord::wire_bytes`). With the samples (16,384 × 127 frames) and kernel
 /// symbols this keeps a batch well under the enricher's 128 MiB reader limit. Records
 /// past it wait for the next batch, oldest first.
-pub const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
+pub(crate) const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
 
-pub struct Outgoing {
-    pub round: Rc<RoundData>,
-    pub processes: Vec<Issued>,
-    pub forgotten: Vec<u64>,
+pub(crate) struct Outgoing {
+    pub(crate) round: Rc<RoundData>,
+    pub(crate) processes: Vec<Issued>,
+    pub(crate) forgotten: Vec<u64>,
 }
 
-pub struct Subscriber {
-    pub id: u64,
+pub(crate) struct Subscriber {
+    pub(crate) id: u64,
     queue: RefCell<VecDeque<Outgoing>>,
     wake: Notify,
     /// Process id → the record (and its mapping version) sent to this subscriber: what
     /// its broker requests may refer to.
     sent: RefCell<HashMap<u64, (u32, Rc<ProcessRecord>)>>,
-    pub dropped: Cell<u64>,
+    pub(crate) dropped: Cell<u64>,
     /// The highest process id ever sent to this subscriber: a request above it names a
     /// process it was never told of (below it, one may since have been forgotten).
-    pub max_sent: Cell<u64>,
+    pub(crate) max_sent: Cell<u64>,
     closed: Cell<bool>,
     /// Binds the broker channel to this subscription.
-    pub broker_key: [u8; 16],
-    pub channel: RefCell<Option<std::os::unix::net::UnixStream>>,
-    pub next_ticket: Cell<u64>,
-    pub rate: RefCell<TokenBucket>,
+    pub(crate) broker_key: [u8; 16],
+    pub(crate) channel: RefCell<Option<std::os::unix::net::UnixStream>>,
+    pub(crate) next_ticket: Cell<u64>,
+    pub(crate) rate: RefCell<TokenBucket>,
     /// Records over a batch's byte bound, to go into the next batch.
     deferred: RefCell<Vec<Issued>>,
 }
 
 impl Subscriber {
-    pub fn close(&self) {
+    pub(crate) fn close(&self) {
         self.closed.set(true);
         self.queue.borrow_mut().clear();
         self.wake.notify_one();
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.get()
     }
 
     /// The record of `process_id` at `version`, if this subscriber was sent exactly that.
-    pub fn record(&self, process_id: u64, version: u32) -> Option<Rc<ProcessRecord>> {
+    pub(crate) fn record(&self, process_id: u64, version: u32) -> Option<Rc<ProcessRecord>> {
         match self.sent.borrow().get(&process_id) {
             Some((v, r)) if *v == version => Some(r.clone()),
             _ => None,
@@ -68,7 +68,7 @@ impl Subscriber {
     }
 
     /// Waits for the next batch; `None` once the subscriber is closed.
-    pub async fn next(&self) -> Option<Outgoing> {
+    pub(crate) async fn next(&self) -> Option<Outgoing> {
         loop {
             if self.closed.get() {
                 return None;
@@ -101,7 +101,8 @@ impl Hub {
     }
 
     /// A hub whose batches carry at most `bytes` of process records (tests).
-    pub fn with_batch_record_bytes(mut self, bytes: usize) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_batch_record_bytes(mut self, bytes: usize) -> Self {
         self.batch_record_bytes = bytes;
         self
     }
@@ -137,7 +138,7 @@ impl Hub {
         kept
     }
 
-    pub fn add(&self, broker_key: [u8; 16]) -> Rc<Subscriber> {
+    pub(crate) fn add(&self, broker_key: [u8; 16]) -> Rc<Subscriber> {
         self.next_id.set(self.next_id.get() + 1);
         let sub = Rc::new(Subscriber {
             id: self.next_id.get(),
@@ -157,16 +158,12 @@ impl Hub {
         sub
     }
 
-    pub fn len(&self) -> usize {
-        self.subs.borrow().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.subs.borrow().is_empty()
-    }
-
     /// Attaches a broker channel to the open subscription holding `key`, once.
-    pub fn attach_channel(&self, key: &[u8; 16], channel: std::os::unix::net::UnixStream) -> bool {
+    pub(crate) fn attach_channel(
+        &self,
+        key: &[u8; 16],
+        channel: std::os::unix::net::UnixStream,
+    ) -> bool {
         let subs = self.subs.borrow();
         let Some(sub) = subs.iter().find(|s| !s.is_closed() && &s.broker_key == key) else {
             return false;
@@ -180,7 +177,7 @@ impl Hub {
     }
 
     /// Queues `round` for every open subscriber, with the process records each lacks.
-    pub fn publish(&self, round: Rc<RoundData>, forgotten: &[u64]) {
+    pub(crate) fn publish(&self, round: Rc<RoundData>, forgotten: &[u64]) {
         let c = &self.counters;
         let forgotten_all = forgotten;
         self.subs.borrow_mut().retain(|s| !s.is_closed());

@@ -9,7 +9,7 @@ use std::io::{BufRead, BufReader};
 const MAX_SYMBOL_SPAN: u64 = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
-pub enum KallsymsError {
+pub(crate) enum KallsymsError {
     #[error("reading /proc/kallsyms: {0}")]
     Read(#[from] std::io::Error),
 }
@@ -20,7 +20,7 @@ const NO_NAME: u32 = u32::MAX;
 /// Sorted text symbols, stored compactly (the sampler's RSS budget is 8 MiB): a 32-bit
 /// offset from the lowest address and a 32-bit name offset per symbol. `__pfx_` padding
 /// symbols (half of a modern kernel's table) keep only their boundary, no name.
-pub struct Kallsyms {
+pub(crate) struct Kallsyms {
     base: u64,
     offsets: Vec<u32>,
     name_starts: Vec<u32>,
@@ -29,7 +29,7 @@ pub struct Kallsyms {
 
 impl Kallsyms {
     /// An empty table: every kernel frame resolves to nothing.
-    pub fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         Self {
             base: 0,
             offsets: Vec::new(),
@@ -39,7 +39,7 @@ impl Kallsyms {
     }
 
     /// Streams the file line by line (it is several MiB of text; it is never held whole).
-    pub fn read(file: File) -> Result<Self, KallsymsError> {
+    pub(crate) fn read(file: File) -> Result<Self, KallsymsError> {
         let mut reader = BufReader::with_capacity(64 * 1024, file);
         let mut line = Vec::with_capacity(256);
         let mut b = Builder::default();
@@ -56,22 +56,22 @@ impl Kallsyms {
     /// Parses `ADDR TYPE NAME[\t[module]]` lines, keeping text symbols. A table whose
     /// addresses are all zero (kptr_restrict, no CAP_SYSLOG) comes out empty.
     #[cfg(test)]
-    pub fn parse(text: &[u8]) -> Self {
+    pub(crate) fn parse(text: &[u8]) -> Self {
         let mut b = Builder::default();
         text.split(|&c| c == b'\n').for_each(|l| b.line(l));
         b.finish()
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.offsets.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.offsets.is_empty()
     }
 
     /// Index of the symbol containing `addr`, if any.
-    pub fn lookup(&self, addr: u64) -> Option<u32> {
+    pub(crate) fn lookup(&self, addr: u64) -> Option<u32> {
         let off = u32::try_from(addr.checked_sub(self.base)?).ok()?;
         let i = self.offsets.partition_point(|&a| a <= off).checked_sub(1)?;
         if u64::from(off - self.offsets[i]) > MAX_SYMBOL_SPAN || self.name_starts[i] == NO_NAME {
@@ -81,7 +81,7 @@ impl Kallsyms {
     }
 
     /// Name of the symbol at `index` (from [`Kallsyms::lookup`]).
-    pub fn name(&self, index: u32) -> &[u8] {
+    pub(crate) fn name(&self, index: u32) -> &[u8] {
         let i = index as usize;
         let start = self.name_starts[i] as usize;
         let end = self.names[start..]

@@ -1,26 +1,38 @@
-//! firn-sampler as a library: the binary (`src/main.rs`) runs it; the fuzz targets
-//! drive the connection handling directly.
+//! firn-sampler as a library: [`main`] runs it (`src/main.rs` is only its entry); the
+//! fuzz targets and tests drive the connection handling and read the tables below.
 
-pub mod assemble;
-pub mod attach;
-pub mod broker;
-pub mod cli;
-pub mod counters;
-pub mod drain;
-pub mod drop;
-pub mod events;
-pub mod handles;
-pub mod hub;
-pub mod kallsyms;
-pub mod listen;
-pub mod preflight;
+mod assemble;
+mod attach;
+mod broker;
+mod cli;
+mod counters;
+mod drain;
+mod drop;
+mod events;
+mod handles;
+mod hub;
+mod kallsyms;
+mod lifecycle;
+mod listen;
+mod preflight;
 #[cfg(feature = "forbidden-probe")]
-pub mod probe;
-pub mod processes;
-pub mod procfs;
-pub mod rounds;
-pub mod rpc;
-pub mod run;
-pub mod trim;
-pub mod unwind;
-pub mod wire;
+mod probe;
+mod processes;
+mod procfs;
+mod rounds;
+mod rpc;
+mod run;
+mod trim;
+mod unwind;
+mod wire;
+
+pub use lifecycle::main;
+
+// What the fuzz targets and tests drive.
+pub use counters::Counters;
+pub use drop::{ALLOWED, RARE, SETUP};
+pub use handles::Handles;
+pub use hub::Hub;
+pub use procfs::MAX_RECORD_BYTES;
+pub use rpc::{handle as handle_connection, Identity, Shared};
+pub use unwind::{check_rows, Pool, Unwind, ROW_BYTES};

@@ -12,7 +12,7 @@ use nix::sys::stat::{fstatat, umask, Mode, SFlag};
 use nix::unistd::{fchownat, getegid, setegid, unlinkat, Gid, Group, UnlinkatFlags};
 
 #[derive(Debug, thiserror::Error)]
-pub enum ListenError {
+pub(crate) enum ListenError {
     #[error("socket directory {0} does not exist; create it first (e.g. mkdir -p {0})")]
     NoDirectory(String),
     #[error("socket path {0} is in use: another sampler is listening on it")]
@@ -35,12 +35,12 @@ pub enum ListenError {
     BadActivationFd(String),
 }
 
-pub struct Listening {
-    pub listener: UnixListener,
+pub(crate) struct Listening {
+    pub(crate) listener: UnixListener,
 }
 
 /// The socket systemd passed, if the environment says it is for us.
-pub fn from_systemd() -> Result<Option<UnixListener>, ListenError> {
+pub(crate) fn from_systemd() -> Result<Option<UnixListener>, ListenError> {
     let pid_ok = std::env::var("LISTEN_PID")
         .ok()
         .and_then(|p| p.parse::<u32>().ok())
@@ -85,7 +85,7 @@ pub fn from_systemd() -> Result<Option<UnixListener>, ListenError> {
 /// imposes another group (setgid bit) is it changed, through the held directory fd and
 /// without following a symlink that may have been swapped in. The file is not removed
 /// at exit (the confined sampler may not unlink); the next start replaces it.
-pub fn create(path: &Path, group: Option<&str>) -> Result<Listening, ListenError> {
+pub(crate) fn create(path: &Path, group: Option<&str>) -> Result<Listening, ListenError> {
     let shown = path.display().to_string();
     let dir_path = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -166,7 +166,7 @@ fn bind_as(path: &Path, gid: Option<Gid>) -> std::io::Result<UnixListener> {
 }
 
 /// Resolves `--allow-uid` / `--allow-gid` values (names or numbers) before confinement.
-pub fn resolve_allow(users: &[String], groups: &[String]) -> Result<Allow, ListenError> {
+pub(crate) fn resolve_allow(users: &[String], groups: &[String]) -> Result<Allow, ListenError> {
     let uids = users
         .iter()
         .map(|u| match u.parse::<u32>() {
@@ -196,18 +196,18 @@ fn resolve_group(g: &str) -> Result<Gid, ListenError> {
 
 /// Who may connect: uid 0, `--allow-uid`, or a peer with a group in `--allow-gid`, be it
 /// its primary group or a supplementary one.
-pub struct Allow {
-    pub uids: Vec<u32>,
-    pub gids: Vec<u32>,
+pub(crate) struct Allow {
+    pub(crate) uids: Vec<u32>,
+    pub(crate) gids: Vec<u32>,
 }
 
-pub enum Peer {
+pub(crate) enum Peer {
     Allowed { uid: u32, pid: i32 },
     Refused { uid: u32, gid: u32, pid: i32 },
     Unknown(nix::errno::Errno),
 }
 
-pub fn check_peer(stream: &impl std::os::fd::AsFd, allow: &Allow) -> Peer {
+pub(crate) fn check_peer(stream: &impl std::os::fd::AsFd, allow: &Allow) -> Peer {
     match getsockopt(stream, sockopt::PeerCredentials) {
         Ok(cred) => {
             let (uid, gid, pid) = (cred.uid(), cred.gid(), cred.pid());
@@ -233,7 +233,7 @@ pub fn check_peer(stream: &impl std::os::fd::AsFd, allow: &Allow) -> Peer {
 const MAX_GROUPS: usize = 65_536;
 
 /// The peer's supplementary groups as of its `connect` (SO_PEERGROUPS, Linux ≥ 4.13).
-pub fn peer_groups(stream: &impl std::os::fd::AsFd) -> Result<Vec<u32>, nix::errno::Errno> {
+pub(crate) fn peer_groups(stream: &impl std::os::fd::AsFd) -> Result<Vec<u32>, nix::errno::Errno> {
     use std::os::fd::AsRawFd;
     let mut groups: Vec<libc::gid_t> = vec![0; 64];
     loop {

@@ -4,7 +4,7 @@
 use caps::{CapSet, Capability};
 
 #[derive(Debug, thiserror::Error)]
-pub enum PreflightError {
+pub(crate) enum PreflightError {
     #[error(
         "firn-sampler is missing {missing} (running as uid {uid}). Run it as root, or grant \
          these capabilities; it drops all but CAP_SYS_PTRACE right after setup"
@@ -27,7 +27,7 @@ pub enum PreflightError {
 }
 
 /// `switch_user`: whether `--user` was given (it then needs CAP_SETUID and CAP_SETGID).
-pub fn check(switch_user: bool) -> Result<(), PreflightError> {
+pub(crate) fn check(switch_user: bool) -> Result<(), PreflightError> {
     let eff = caps::read(None, CapSet::Effective)?;
     let mut missing = Vec::new();
     let admin = eff.contains(&Capability::CAP_SYS_ADMIN);

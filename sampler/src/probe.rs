@@ -15,9 +15,9 @@ fn outcome(ret: libc::c_long) -> String {
 }
 
 /// A root-owned file the tests create (tests/tests/sampler.rs); the probe tries to unlink it.
-pub const VICTIM: &str = "/tmp/firn-forbidden-probe-victim";
+pub(crate) const VICTIM: &str = "/tmp/firn-forbidden-probe-victim";
 
-pub fn run() {
+pub(crate) fn run() {
     let path = CString::new("/bin/true").unwrap_or_default();
     let argv = [path.as_ptr(), std::ptr::null()];
     let envp: [*const libc::c_char; 1] = [std::ptr::null()];

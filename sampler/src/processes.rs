@@ -26,33 +26,33 @@ const MAX_REFRESH_BACKOFF: u64 = 64;
 /// Bytes read from /proc per round at most (records and mapping refreshes). Past it, new
 /// processes are recorded with what BPF saw and read in a later round; a storm of new
 /// processes then costs bounded time and memory per round.
-pub const ROUND_READ_BUDGET: usize = 64 << 20;
+pub(crate) const ROUND_READ_BUDGET: usize = 64 << 20;
 /// Record bytes the table holds at most; past it the least recently seen is forgotten.
-pub const MAX_TABLE_BYTES: usize = 96 << 20;
+pub(crate) const MAX_TABLE_BYTES: usize = 96 << 20;
 
 /// One process as the BPF program tells them apart: a reused pid has another start
 /// time, an exec another exec count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct ProcKey {
-    pub tgid: u32,
-    pub start_ns: u64,
-    pub exec_id: u32,
+pub(crate) struct ProcKey {
+    pub(crate) tgid: u32,
+    pub(crate) start_ns: u64,
+    pub(crate) exec_id: u32,
 }
 
 /// How a process's program ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ending {
+pub(crate) enum Ending {
     /// It exec'd another program: /proc now describes that one.
     Exec,
     /// Its last thread exited.
     Exit,
 }
 
-pub struct Known {
-    pub id: u64,
-    pub start_ns: u64,
-    pub version: u32,
-    pub record: Rc<ProcessRecord>,
+pub(crate) struct Known {
+    pub(crate) id: u64,
+    pub(crate) start_ns: u64,
+    pub(crate) version: u32,
+    pub(crate) record: Rc<ProcessRecord>,
     ranges: Vec<(u64, u64)>,
     last_seen: u64,
     next_refresh: u64,
@@ -79,7 +79,7 @@ fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
 
 /// Keyed by [`ProcKey`]: within one round a pid can name two processes (reuse) or two
 /// programs (exec), whose samples arrive interleaved; each keeps its own record and id.
-pub struct ProcessTable {
+pub(crate) struct ProcessTable {
     by_key: HashMap<ProcKey, Known>,
     next_id: u64,
     /// Record bytes held (sum of `wire_bytes`).
@@ -175,7 +175,7 @@ fn placeholder(tgid: u32, start_ns: u64, comm: &[u8]) -> ProcessRecord {
 impl ProcessTable {
     /// A table that reads at most `round_budget` /proc bytes per round and holds at most
     /// `max_bytes` of records.
-    pub fn with_budgets(round_budget: usize, max_bytes: usize) -> Self {
+    pub(crate) fn with_budgets(round_budget: usize, max_bytes: usize) -> Self {
         Self {
             by_key: HashMap::new(),
             next_id: 0,
@@ -191,14 +191,14 @@ impl ProcessTable {
     }
 
     /// Takes handles of mapped files into `handles` (shared with the broker).
-    pub fn with_handles(mut self, handles: Rc<RefCell<Handles>>) -> Self {
+    pub(crate) fn with_handles(mut self, handles: Rc<RefCell<Handles>>) -> Self {
         self.handles = handles;
         self
     }
 
     /// Starts a round: the /proc read budget is full again, and handles unused for a
     /// while are closed.
-    pub fn begin_round(&mut self, round: u64, counters: &Counters) {
+    pub(crate) fn begin_round(&mut self, round: u64, counters: &Counters) {
         self.read_left = self.round_budget;
         self.handles.borrow_mut().end_round(round, counters);
     }
@@ -206,7 +206,7 @@ impl ProcessTable {
     /// A process the BPF program announced (its first sample), while round `round` is in
     /// progress: read from /proc now, while it still runs.
     /// `exe_ino`: the inode of its executable as BPF saw it (0: unknown).
-    pub fn discover(
+    pub(crate) fn discover(
         &mut self,
         key: ProcKey,
         comm: &[u8],
@@ -227,7 +227,7 @@ impl ProcessTable {
     /// Takes the handles of the files that records read since the last call map: after
     /// a burst of new processes has been read, so that no read waits for another
     /// process's walks.
-    pub fn take_handles(&mut self, counters: &Counters) {
+    pub(crate) fn take_handles(&mut self, counters: &Counters) {
         let t0 = std::time::Instant::now();
         self.handles.borrow_mut().take_queued(counters);
         add(
@@ -237,7 +237,7 @@ impl ProcessTable {
     }
 
     /// A process the BPF program saw exec or exit while round `round` was in progress.
-    pub fn ended(&mut self, key: ProcKey, how: Ending, round: u64) {
+    pub(crate) fn ended(&mut self, key: ProcKey, how: Ending, round: u64) {
         if let Some(k) = self.by_key.get_mut(&key) {
             k.ended = Some(round);
             k.last_seen = k.last_seen.max(round);
@@ -251,7 +251,7 @@ impl ProcessTable {
     /// the unwinder stopped at a return address outside the mappings it was given
     /// (code mapped since, or a wrong table); like a frame outside them, it has the
     /// mappings read again, with backoff.
-    pub fn observe(
+    pub(crate) fn observe(
         &mut self,
         key: ProcKey,
         comm: &[u8],
@@ -347,14 +347,14 @@ impl ProcessTable {
         }
     }
 
-    pub fn get(&self, key: ProcKey) -> Option<&Known> {
+    pub(crate) fn get(&self, key: ProcKey) -> Option<&Known> {
         self.by_key.get(&key)
     }
 
     /// Forgets processes whose last samples have been sent: those that ended
     /// [`ENDED_ROUNDS`] ago, and those not sampled for a while that have exited.
     /// Returns the ids forgotten, so subscribers can forget them too.
-    pub fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
+    pub(crate) fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
         let mut gone = Vec::new();
         let mut freed = 0;
         let unseen = &mut self.unseen;
@@ -386,17 +386,17 @@ impl ProcessTable {
 
     /// Processes forgotten that the BPF program may still hold as announced (so that it
     /// announces them again if they are sampled again).
-    pub fn take_unseen(&mut self) -> Vec<ProcKey> {
+    pub(crate) fn take_unseen(&mut self) -> Vec<ProcKey> {
         std::mem::take(&mut self.unseen)
     }
 
     /// Records read from /proc since the last call (new, deferred or refreshed).
-    pub fn take_fresh(&mut self) -> Vec<(ProcKey, Rc<ProcessRecord>)> {
+    pub(crate) fn take_fresh(&mut self) -> Vec<(ProcKey, Rc<ProcessRecord>)> {
         std::mem::take(&mut self.fresh)
     }
 
     /// Every process forgotten since the last call, whatever the reason.
-    pub fn take_dropped(&mut self) -> Vec<ProcKey> {
+    pub(crate) fn take_dropped(&mut self) -> Vec<ProcKey> {
         std::mem::take(&mut self.dropped)
     }
 
@@ -413,12 +413,8 @@ impl ProcessTable {
         }
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.by_key.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
     }
 }
 

@@ -20,7 +20,7 @@ const MAX_STAT_BYTES: usize = 2048;
 pub const MAX_RECORD_BYTES: usize = 256 << 10;
 
 #[derive(Debug, thiserror::Error)]
-pub enum ProcError {
+pub(crate) enum ProcError {
     #[error("process {pid} is gone")]
     Gone { pid: u32 },
     #[error("pid {pid} now belongs to another process")]
@@ -38,34 +38,34 @@ pub enum ProcError {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Mapping {
-    pub start: u64,
-    pub end: u64,
-    pub offset: u64,
-    pub dev_major: u32,
-    pub dev_minor: u32,
-    pub inode: u64,
-    pub path: Vec<u8>,
+pub(crate) struct Mapping {
+    pub(crate) start: u64,
+    pub(crate) end: u64,
+    pub(crate) offset: u64,
+    pub(crate) dev_major: u32,
+    pub(crate) dev_minor: u32,
+    pub(crate) inode: u64,
+    pub(crate) path: Vec<u8>,
     /// The kernel printed a longer path than is kept: it can never be resolved, so it is
     /// never walked (not sent: the enricher sees the kept prefix).
-    pub cut: bool,
+    pub(crate) cut: bool,
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct ProcessRecord {
-    pub pid: u32,
-    pub start_ns: u64,
-    pub ppid: u32,
-    pub uid: u32,
-    pub comm: Vec<u8>,
-    pub exe: Vec<u8>,
-    pub cmdline: Vec<Vec<u8>>,
-    pub cgroup: Vec<u8>,
-    pub mappings: Vec<Mapping>,
+pub(crate) struct ProcessRecord {
+    pub(crate) pid: u32,
+    pub(crate) start_ns: u64,
+    pub(crate) ppid: u32,
+    pub(crate) uid: u32,
+    pub(crate) comm: Vec<u8>,
+    pub(crate) exe: Vec<u8>,
+    pub(crate) cmdline: Vec<Vec<u8>>,
+    pub(crate) cgroup: Vec<u8>,
+    pub(crate) mappings: Vec<Mapping>,
     /// Anonymous executable ranges (JIT code, the vDSO): for the unwinder's check that
     /// every frame is code of the process; not sent.
-    pub code: Vec<(u64, u64)>,
-    pub complete: bool,
+    pub(crate) code: Vec<(u64, u64)>,
+    pub(crate) complete: bool,
 }
 
 /// Bytes a field costs on the wire beyond its text: Cap'n Proto pointer and padding.
@@ -75,7 +75,7 @@ const MAPPING_FIXED: usize = 56;
 
 impl ProcessRecord {
     /// An upper estimate of the record's size in a batch.
-    pub fn wire_bytes(&self) -> usize {
+    pub(crate) fn wire_bytes(&self) -> usize {
         let text = |b: &[u8]| b.len() + FIELD_OVERHEAD;
         96 + text(&self.comm)
             + text(&self.exe)
@@ -91,7 +91,7 @@ impl ProcessRecord {
     /// Leaves out mappings until the record takes at most `max` bytes: repeated mappings
     /// of one file go first (a process mapping one file thousands of times should not
     /// crowd out its libraries), then the highest addresses. Whether anything was cut.
-    pub fn trim_to(&mut self, max: usize) -> bool {
+    pub(crate) fn trim_to(&mut self, max: usize) -> bool {
         let total = self.wire_bytes();
         if total <= max {
             return false;
@@ -148,7 +148,7 @@ fn clock_ticks() -> u64 {
 /// process's root). With `exe_ino` not 0, the process must still run the executable
 /// with that inode (as BPF saw it): otherwise it exec'd meanwhile and /proc describes
 /// its next program (`Execed`).
-pub fn read_process_at(
+pub(crate) fn read_process_at(
     pid: u32,
     start_ns: u64,
     exe_ino: u64,
@@ -204,12 +204,12 @@ pub fn read_process_at(
 }
 
 /// Executable file mappings and anonymous executable ranges of a process.
-pub type Maps = (Vec<Mapping>, Vec<(u64, u64)>);
+pub(crate) type Maps = (Vec<Mapping>, Vec<(u64, u64)>);
 
 /// Reads only the executable mappings again (after a sample fell outside them), of the
 /// process that started at `start_ns` (not a successor with its pid). Also returns the
 /// bytes read and the verified `/proc/<pid>` directory fd.
-pub fn read_mappings(pid: u32, start_ns: u64) -> Result<(Maps, usize, OwnedFd), ProcError> {
+pub(crate) fn read_mappings(pid: u32, start_ns: u64) -> Result<(Maps, usize, OwnedFd), ProcError> {
     let dir = open_verified(pid, start_ns)?;
     let (maps, n) = read_maps(&dir, pid)?;
     Ok((maps, n, dir))
@@ -224,7 +224,7 @@ pub(crate) fn start_ns_of(pid: u32) -> Option<u64> {
 }
 
 /// Whether /proc/<pid> still belongs to the process that started at `start_ns`.
-pub fn is_alive(pid: u32, start_ns: u64) -> bool {
+pub(crate) fn is_alive(pid: u32, start_ns: u64) -> bool {
     let Ok(dir) = open_proc_dir(pid) else {
         return false;
     };
@@ -236,7 +236,7 @@ pub fn is_alive(pid: u32, start_ns: u64) -> bool {
 
 /// A directory fd of /proc/<pid>, checked to belong to the process that started at
 /// `start_ns`. Everything opened through it later refers to that very process.
-pub fn open_verified(pid: u32, start_ns: u64) -> Result<OwnedFd, ProcError> {
+pub(crate) fn open_verified(pid: u32, start_ns: u64) -> Result<OwnedFd, ProcError> {
     verified(pid, start_ns).map(|(dir, _, _)| dir)
 }
 
@@ -365,7 +365,7 @@ fn split_cmdline(raw: &[u8]) -> Vec<Vec<u8>> {
 }
 
 /// Anonymous executable ranges kept per process at most.
-pub const MAX_CODE_RANGES: usize = 16;
+pub(crate) const MAX_CODE_RANGES: usize = 16;
 
 fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Maps, usize), ProcError> {
     let fd = openat(
@@ -392,7 +392,8 @@ fn read_maps(dir: &OwnedFd, pid: u32) -> Result<(Maps, usize), ProcError> {
 /// Keeps executable mappings: `start-end perms offset maj:min inode  path`. Those of
 /// files have an inode; anonymous ones (JIT code, the vDSO; at most
 /// [`MAX_CODE_RANGES`]) have inode 0.
-pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
+#[cfg(test)]
+pub(crate) fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
     parse_maps_from(maps).map_or_else(|_| Vec::new(), |(m, _)| m)
 }
 
@@ -400,7 +401,9 @@ pub fn parse_maps(maps: &[u8]) -> Vec<Mapping> {
 /// would fill a record, further mappings of a file already kept are skipped (a process
 /// mapping one file thousands of times must not crowd out the libraries after them), and
 /// at twice that nothing more is kept. [`ProcessRecord::trim_to`] makes the final cut.
-pub fn parse_maps_from(mut r: impl std::io::BufRead) -> std::io::Result<(Vec<Mapping>, usize)> {
+pub(crate) fn parse_maps_from(
+    mut r: impl std::io::BufRead,
+) -> std::io::Result<(Vec<Mapping>, usize)> {
     let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
     let (mut read, mut kept, mut anon) = (0usize, 0usize, 0usize);

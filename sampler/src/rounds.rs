@@ -15,7 +15,7 @@ use crate::kallsyms::Kallsyms;
 use crate::processes::{Ending, ProcKey, ProcessTable};
 
 /// The two map sets the BPF program writes, one at a time.
-pub trait MapSets {
+pub(crate) trait MapSets {
     /// Makes `set` (0 or 1) the one the program writes.
     fn activate(&mut self, set: u32);
     /// Reads and empties `set`.
@@ -40,24 +40,24 @@ pub trait MapSets {
      after setup); a confined sampler cannot attach to it, so it exits for its \
      supervisor to restart it (systemd: Restart=on-failure)"
 )]
-pub struct CpuHotplug(pub u32);
+pub(crate) struct CpuHotplug(pub u32);
 
 /// A set retired by [`Rounds::flip`], to be drained once no program run writes it.
 #[must_use]
-pub struct Retired {
+pub(crate) struct Retired {
     set: u32,
     end_ns: u64,
 }
 
 /// What a round produced.
-pub struct Round {
-    pub data: RoundData,
+pub(crate) struct Round {
+    pub(crate) data: RoundData,
     /// Process ids forgotten this round (exited and idle).
-    pub forgotten: Vec<u64>,
+    pub(crate) forgotten: Vec<u64>,
 }
 
 /// State carried from round to round.
-pub struct Rounds {
+pub(crate) struct Rounds {
     table: ProcessTable,
     active: u32,
     round: u64,
@@ -115,7 +115,7 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
 
 impl Rounds {
     /// Rounds starting at `start_ns` (Unix ns), with set 0 active.
-    pub fn new(table: ProcessTable, start_ns: u64) -> Self {
+    pub(crate) fn new(table: ProcessTable, start_ns: u64) -> Self {
         Self {
             table,
             active: 0,
@@ -125,13 +125,14 @@ impl Rounds {
         }
     }
 
-    pub fn known_processes(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn known_processes(&self) -> usize {
         self.table.len()
     }
 
     /// Handles the program's process events, while the round after the last finished
     /// one is in progress: new processes are read from /proc now.
-    pub fn on_events(&mut self, events: &[ProcEvent], c: &Counters) {
+    pub(crate) fn on_events(&mut self, events: &[ProcEvent], c: &Counters) {
         let in_progress = self.round + 1;
         for e in events {
             match e.kind {
@@ -154,7 +155,7 @@ impl Rounds {
 
     /// Hands what the process table read or forgot to the unwinder's maps, then walks
     /// to the files of the records read (for binary handles).
-    pub fn sync_mappings(&mut self, maps: &mut impl MapSets, c: &Counters) {
+    pub(crate) fn sync_mappings(&mut self, maps: &mut impl MapSets, c: &Counters) {
         let fresh = self.table.take_fresh();
         if !fresh.is_empty() {
             maps.set_mappings(&fresh);
@@ -167,7 +168,7 @@ impl Rounds {
     }
 
     /// Ends the current round at `now_ns`: the program switches to the other set.
-    pub fn flip(&mut self, maps: &mut impl MapSets, now_ns: u64) -> Retired {
+    pub(crate) fn flip(&mut self, maps: &mut impl MapSets, now_ns: u64) -> Retired {
         let retired = Retired {
             set: self.active,
             end_ns: now_ns,
@@ -180,7 +181,7 @@ impl Rounds {
     /// Drains the retired set (after the grace period) and makes the round. `online` is
     /// the online CPU list, if it could be read. `Ok(None)`: the drain failed (counted);
     /// the next round starts where this one ended.
-    pub fn finish(
+    pub(crate) fn finish(
         &mut self,
         maps: &mut impl MapSets,
         retired: Retired,

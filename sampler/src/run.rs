@@ -18,7 +18,11 @@ use crate::rounds::{CpuHotplug, Rounds};
 use crate::rpc::{self, Shared};
 
 /// Accepts clients for ever: each allowed peer gets a connection task, up to the limit.
-pub async fn accept_loop(listener: tokio::net::UnixListener, shared: Rc<Shared>, allow: Allow) {
+pub(crate) async fn accept_loop(
+    listener: tokio::net::UnixListener,
+    shared: Rc<Shared>,
+    allow: Allow,
+) {
     let c = shared.counters.clone();
     loop {
         let stream = match listener.accept().await {
@@ -79,7 +83,7 @@ fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, c: &crate::counters
 
 /// Runs rounds every `period` until SIGTERM or SIGINT (`Ok`) or a CPU hotplug that a
 /// confined sampler cannot follow (`Err`).
-pub async fn run_rounds(
+pub(crate) async fn run_rounds(
     period: Duration,
     shared: Rc<Shared>,
     sampling: &mut Sampling,

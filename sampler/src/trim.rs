@@ -12,7 +12,7 @@
 //! (`Anonymous:` in smaps) and is left alone, since dropping would lose them.
 
 #[derive(Debug, thiserror::Error)]
-pub enum TrimError {
+pub(crate) enum TrimError {
     #[error("reading /proc/self/smaps: {0}")]
     Read(#[from] std::io::Error),
 }
@@ -78,7 +78,7 @@ fn candidates(smaps: &str) -> Vec<Candidate> {
 }
 
 /// Drops the resident pages of eligible mappings; returns the KiB they held.
-pub fn drop_setup_pages() -> Result<u64, TrimError> {
+pub(crate) fn drop_setup_pages() -> Result<u64, TrimError> {
     let smaps = std::fs::read_to_string("/proc/self/smaps")?;
     let mut dropped = 0;
     for c in candidates(&smaps) {

@@ -4,12 +4,12 @@ use firn_schema::firn_capnp::{batch, counter, process, sample, StackStatus as Wi
 
 use crate::assemble::{Issued, RoundData, StackStatus};
 
-pub struct BatchMeta<'a> {
-    pub session_id: u64,
-    pub frequency_hz: u32,
-    pub dropped_batches: u64,
-    pub tables_evicted: u64,
-    pub counters: &'a [(&'static str, u64)],
+pub(crate) struct BatchMeta<'a> {
+    pub(crate) session_id: u64,
+    pub(crate) frequency_hz: u32,
+    pub(crate) dropped_batches: u64,
+    pub(crate) tables_evicted: u64,
+    pub(crate) counters: &'a [(&'static str, u64)],
 }
 
 fn wire(s: StackStatus) -> Wire {
@@ -25,7 +25,7 @@ fn len32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-pub fn fill_counters(
+pub(crate) fn fill_counters(
     mut list: capnp::struct_list::Builder<'_, counter::Owned>,
     counters: &[(&'static str, u64)],
 ) {
@@ -36,7 +36,7 @@ pub fn fill_counters(
     }
 }
 
-pub fn fill_batch(
+pub(crate) fn fill_batch(
     mut b: batch::Builder<'_>,
     round: &RoundData,
     processes: &[Issued],

@@ -148,7 +148,7 @@ while time.time() - t < float(sys.argv[2]):
         .map(|m| 72 + m["path"].as_str().unwrap_or("").len())
         .sum();
     assert!(
-        bytes <= firn_sampler::procfs::MAX_RECORD_BYTES,
+        bytes <= firn_sampler::MAX_RECORD_BYTES,
         "record of {} mappings, {bytes} bytes",
         maps.len()
     );
@@ -302,16 +302,13 @@ fn allowed_syscalls_are_used() {
         .map(str::to_string)
         .collect();
     setup_is_covered(&setup, &used);
-    let allowed: BTreeSet<String> = firn_sampler::drop::ALLOWED
+    let allowed: BTreeSet<String> = firn_sampler::ALLOWED
         .iter()
         .map(|a| a.syscall().to_string())
         .collect();
     let outside: Vec<_> = used.difference(&allowed).collect();
     assert!(outside.is_empty(), "used but not allowed: {outside:?}");
-    let rare: BTreeSet<String> = firn_sampler::drop::RARE
-        .iter()
-        .map(|r| r.0.to_string())
-        .collect();
+    let rare: BTreeSet<String> = firn_sampler::RARE.iter().map(|r| r.0.to_string()).collect();
     let unused: Vec<_> = allowed
         .difference(&used)
         .filter(|n| !rare.contains(*n))
@@ -343,10 +340,10 @@ fn syscall_of(line: &str) -> Option<&str> {
 /// must hold every setup syscall, and the systemd unit's SystemCallFilter, expanded by
 /// systemd-analyze (systemd's own group tables), every syscall of its whole life.
 fn setup_is_covered(setup: &BTreeSet<String>, steady: &BTreeSet<String>) {
-    let listed: BTreeSet<&str> = firn_sampler::drop::SETUP
+    let listed: BTreeSet<&str> = firn_sampler::SETUP
         .iter()
         .map(|s| s.syscall())
-        .chain(firn_sampler::drop::ALLOWED.iter().map(|a| a.syscall()))
+        .chain(firn_sampler::ALLOWED.iter().map(|a| a.syscall()))
         .collect();
     let unlisted: Vec<_> = setup
         .iter()

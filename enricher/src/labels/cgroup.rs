@@ -7,12 +7,12 @@
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct CgroupFacts {
     /// The path chosen (unified hierarchy first, else name=systemd, else the first).
-    pub path: String,
-    pub container_id: Option<String>,
-    pub runtime: Option<&'static str>,
+    pub(crate) path: String,
+    pub(crate) container_id: Option<String>,
+    pub(crate) runtime: Option<&'static str>,
     /// Kubernetes pod uid from a `pod<uid>` segment, dashes restored.
-    pub pod_uid: Option<String>,
-    pub systemd_unit: Option<String>,
+    pub(crate) pod_uid: Option<String>,
+    pub(crate) systemd_unit: Option<String>,
 }
 
 /// Longest /proc/<pid>/cgroup text looked at.

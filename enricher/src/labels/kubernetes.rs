@@ -16,38 +16,38 @@ use kube::{Api, Client};
 use crate::metrics::Metrics;
 
 #[derive(Debug, thiserror::Error)]
-pub enum KubeError {
+pub(crate) enum KubeError {
     #[error("Kubernetes client configuration: {0}")]
     Config(String),
 }
 
 /// What is known of one container of a pod on this node.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct ContainerMeta {
-    pub namespace: String,
-    pub pod_name: String,
-    pub pod_uid: String,
-    pub container_name: String,
-    pub container_id: String,
-    pub image: String,
-    pub node_name: String,
-    pub labels: BTreeMap<String, String>,
-    pub annotations: BTreeMap<String, String>,
-    pub controller_kind: String,
-    pub controller_name: String,
+pub(crate) struct ContainerMeta {
+    pub(crate) namespace: String,
+    pub(crate) pod_name: String,
+    pub(crate) pod_uid: String,
+    pub(crate) container_name: String,
+    pub(crate) container_id: String,
+    pub(crate) image: String,
+    pub(crate) node_name: String,
+    pub(crate) labels: BTreeMap<String, String>,
+    pub(crate) annotations: BTreeMap<String, String>,
+    pub(crate) controller_kind: String,
+    pub(crate) controller_name: String,
 }
 
 #[derive(Default)]
-pub struct PodIndex {
+pub(crate) struct PodIndex {
     /// Bumped on every change, so cached label sets of containers are recomputed.
-    pub generation: u64,
+    pub(crate) generation: u64,
     by_container: HashMap<String, Arc<ContainerMeta>>,
     by_pod: HashMap<String, Vec<String>>,
     /// Pods seen since the current (re)list began.
     relist: Option<HashSet<String>>,
 }
 
-pub type SharedIndex = Arc<Mutex<PodIndex>>;
+pub(crate) type SharedIndex = Arc<Mutex<PodIndex>>;
 
 /// `containerd://<id>`, `cri-o://<id>`, `docker://<id>` → `<id>`.
 fn bare_id(id: &str) -> &str {
@@ -55,11 +55,11 @@ fn bare_id(id: &str) -> &str {
 }
 
 impl PodIndex {
-    pub fn lookup(&self, container_id: &str) -> Option<Arc<ContainerMeta>> {
+    pub(crate) fn lookup(&self, container_id: &str) -> Option<Arc<ContainerMeta>> {
         self.by_container.get(container_id).cloned()
     }
 
-    pub fn pods(&self) -> usize {
+    pub(crate) fn pods(&self) -> usize {
         self.by_pod.len()
     }
 
@@ -70,7 +70,7 @@ impl PodIndex {
         }
     }
 
-    pub fn apply(&mut self, pod: &Pod) {
+    pub(crate) fn apply(&mut self, pod: &Pod) {
         let md = &pod.metadata;
         let Some(uid) = md.uid.clone() else { return };
         self.remove(&uid);
@@ -126,7 +126,7 @@ impl PodIndex {
         self.by_pod.insert(uid, ids);
     }
 
-    pub fn delete(&mut self, pod: &Pod) {
+    pub(crate) fn delete(&mut self, pod: &Pod) {
         if let Some(uid) = &pod.metadata.uid {
             self.remove(uid);
         }
@@ -154,7 +154,7 @@ impl PodIndex {
 
 /// A client from `--kubeconfig`, or else the usual inference (in-cluster service
 /// account, then KUBECONFIG / ~/.kube/config).
-pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, KubeError> {
+pub(crate) async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, KubeError> {
     let config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
@@ -171,7 +171,7 @@ pub async fn client(kubeconfig: Option<&std::path::Path>) -> Result<Client, Kube
 }
 
 /// Watches the pods of `node` forever, keeping `index` current.
-pub async fn watch(client: Client, node: String, index: SharedIndex, metrics: Arc<Metrics>) {
+pub(crate) async fn watch(client: Client, node: String, index: SharedIndex, metrics: Arc<Metrics>) {
     let api: Api<Pod> = Api::all(client);
     let cfg = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
     let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
@@ -210,7 +210,7 @@ fn sanitize(name: &str) -> String {
 }
 
 /// The `__meta_kubernetes_*` labels of a container.
-pub fn meta_labels(m: &ContainerMeta, out: &mut BTreeMap<String, String>) {
+pub(crate) fn meta_labels(m: &ContainerMeta, out: &mut BTreeMap<String, String>) {
     let mut set = |k: String, v: &str| {
         if !v.is_empty() {
             out.insert(k, v.to_string());

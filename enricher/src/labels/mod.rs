@@ -4,7 +4,7 @@
 
 pub mod cgroup;
 #[cfg(feature = "kubernetes")]
-pub mod kubernetes;
+pub(crate) mod kubernetes;
 pub mod relabel;
 
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use relabel::{Labels, Rule, RuleConfig};
 
 /// The built-in relabel set: the visible labels users filter and sum by. A user
 /// `relabel_configs` replaces it.
-pub const DEFAULT_RULES: &str = r#"
+pub(crate) const DEFAULT_RULES: &str = r#"
 - {source_labels: [__meta_process_pid], target_label: pid}
 - {source_labels: [__meta_process_comm], target_label: comm}
 - {source_labels: [__meta_process_executable_name], target_label: executable}
@@ -27,7 +27,7 @@ pub const DEFAULT_RULES: &str = r#"
 - {source_labels: [__meta_kubernetes_pod_container_name], target_label: container}
 "#;
 
-pub fn default_rules() -> Result<Vec<RuleConfig>, relabel::RelabelError> {
+pub(crate) fn default_rules() -> Result<Vec<RuleConfig>, relabel::RelabelError> {
     serde_yaml::from_str(DEFAULT_RULES).map_err(|e| relabel::RelabelError::Builtin(e.to_string()))
 }
 
@@ -40,7 +40,7 @@ pub struct System {
 }
 
 impl System {
-    pub fn detect(node: &str) -> Self {
+    pub(crate) fn detect(node: &str) -> Self {
         let (release, machine) = nix::sys::utsname::uname()
             .map(|u| {
                 (
@@ -58,10 +58,10 @@ impl System {
 }
 
 /// What the labeler needs of a process beyond its record.
-pub struct Extra<'a> {
-    pub comm: &'a str,
-    pub executable_build_id: Option<String>,
-    pub executable_stripped: Option<bool>,
+pub(crate) struct Extra<'a> {
+    pub(crate) comm: &'a str,
+    pub(crate) executable_build_id: Option<String>,
+    pub(crate) executable_stripped: Option<bool>,
 }
 
 /// (process id, mapping version, executable's binary known).
@@ -70,7 +70,7 @@ type CacheKey = (u64, u32, bool);
 pub struct Labeler {
     rules: Vec<Rule>,
     external: Vec<(String, String)>,
-    pub system: System,
+    pub(crate) system: System,
     /// Per process: its label set, and the pod index generation it was computed at when
     /// it depends on Kubernetes metadata (recomputed once the index changed).
     cache: HashMap<CacheKey, (Option<Arc<LabelSet>>, Option<u64>)>,
@@ -95,7 +95,7 @@ impl Labeler {
 
     /// Turns Kubernetes metadata on: containers are looked up in `pods`.
     #[cfg(feature = "kubernetes")]
-    pub fn set_pods(
+    pub(crate) fn set_pods(
         &mut self,
         pods: kubernetes::SharedIndex,
         metrics: Arc<crate::metrics::Metrics>,
@@ -117,29 +117,29 @@ impl Labeler {
     }
 
     /// New rules and external labels (config reload): every cached result goes.
-    pub fn reconfigure(&mut self, rules: Vec<Rule>, external: Vec<(String, String)>) {
+    pub(crate) fn reconfigure(&mut self, rules: Vec<Rule>, external: Vec<(String, String)>) {
         self.rules = rules;
         self.external = external;
         self.cache.clear();
     }
 
-    pub fn set_node(&mut self, node: &str) {
+    pub(crate) fn set_node(&mut self, node: &str) {
         if self.system.node.is_empty() {
             self.system.node = node.to_string();
             self.cache.clear();
         }
     }
 
-    pub fn forget(&mut self, process_id: u64) {
+    pub(crate) fn forget(&mut self, process_id: u64) {
         self.cache.retain(|k, _| k.0 != process_id);
     }
 
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.cache.clear();
     }
 
     /// The final label set of a process, or None when relabeling dropped it.
-    pub fn labels(
+    pub(crate) fn labels(
         &mut self,
         process_id: u64,
         p: Option<&Process>,
@@ -186,7 +186,7 @@ impl Labeler {
 
     /// Every meta label known for a process, plus `node`; false when a container's
     /// pod is not (yet) known.
-    pub fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> (Labels, bool) {
+    pub(crate) fn meta(&self, p: Option<&Process>, pid: u32, extra: &Extra<'_>) -> (Labels, bool) {
         #[allow(unused_mut)] // assigned only with the kubernetes feature
         let mut complete = true;
         let mut m = Labels::new();

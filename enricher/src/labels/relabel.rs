@@ -6,10 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-pub type Labels = BTreeMap<String, String>;
+pub(crate) type Labels = BTreeMap<String, String>;
 
 #[derive(Debug, thiserror::Error)]
-pub enum RelabelError {
+pub(crate) enum RelabelError {
     #[error("the built-in relabel rules do not parse (a bug in this build): {0}")]
     Builtin(String),
     #[error("relabel_configs[{index}]: invalid regex {regex:?}: {source}")]
@@ -28,7 +28,7 @@ pub enum RelabelError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Action {
+pub(crate) enum Action {
     #[default]
     Replace,
     Keep,
@@ -54,21 +54,21 @@ fn default_replacement() -> String {
 /// One rule, as written in YAML.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RuleConfig {
+pub(crate) struct RuleConfig {
     #[serde(default)]
-    pub source_labels: Vec<String>,
+    pub(crate) source_labels: Vec<String>,
     #[serde(default = "default_separator")]
-    pub separator: String,
+    pub(crate) separator: String,
     #[serde(default = "default_regex")]
-    pub regex: String,
+    pub(crate) regex: String,
     #[serde(default)]
-    pub modulus: u64,
+    pub(crate) modulus: u64,
     #[serde(default)]
-    pub target_label: String,
+    pub(crate) target_label: String,
     #[serde(default = "default_replacement")]
-    pub replacement: String,
+    pub(crate) replacement: String,
     #[serde(default)]
-    pub action: Action,
+    pub(crate) action: Action,
 }
 
 /// A compiled rule.
@@ -78,7 +78,7 @@ pub struct Rule {
     regex: regex::Regex,
 }
 
-pub fn compile(rules: &[RuleConfig]) -> Result<Vec<Rule>, RelabelError> {
+pub(crate) fn compile(rules: &[RuleConfig]) -> Result<Vec<Rule>, RelabelError> {
     rules
         .iter()
         .enumerate()

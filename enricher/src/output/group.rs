@@ -10,8 +10,8 @@ use crate::settings::ProfileBy;
 
 pub struct Encoded {
     /// Its index in the round's [`Groups`].
-    pub group: usize,
-    pub labels: Arc<LabelSet>,
+    pub(crate) group: usize,
+    pub(crate) labels: Arc<LabelSet>,
     pub samples: i64,
     pub gz: Arc<Vec<u8>>,
 }

@@ -13,7 +13,7 @@ use tonic::{Code, Status};
 use super::delivery::SendError;
 
 #[derive(Debug, thiserror::Error)]
-pub enum GrpcError {
+pub(crate) enum GrpcError {
     #[error("invalid endpoint {url:?}: {message}")]
     Endpoint { url: String, message: String },
     #[error("reading CA file {path}: {source}")]
@@ -28,7 +28,11 @@ pub enum GrpcError {
 /// A lazily connected channel: a backend down at start is a retried send, not a failed
 /// start. `url` is `http://host:port` (plain) or `https://host:port` (TLS with the
 /// system's roots, or `ca_file`'s).
-pub fn channel(url: &str, ca_file: Option<&Path>, timeout: Duration) -> Result<Channel, GrpcError> {
+pub(crate) fn channel(
+    url: &str,
+    ca_file: Option<&Path>,
+    timeout: Duration,
+) -> Result<Channel, GrpcError> {
     let bad = |m: String| GrpcError::Endpoint {
         url: url.to_string(),
         message: m,
@@ -65,7 +69,7 @@ pub fn channel(url: &str, ca_file: Option<&Path>, timeout: Duration) -> Result<C
 }
 
 /// `KEY=VALUE` into a metadata pair.
-pub fn header(
+pub(crate) fn header(
     kv: &str,
 ) -> Result<
     (
@@ -103,7 +107,7 @@ fn redact(kv: &str) -> String {
 /// our credentials (fixable by a SIGHUP with a new token; the requests wait meanwhile).
 /// What it refuses for the request's content (INVALID_ARGUMENT and the like) would fail
 /// again.
-pub fn classify(s: &Status) -> SendError {
+pub(crate) fn classify(s: &Status) -> SendError {
     let msg = format!("{:?}: {}", s.code(), s.message());
     match s.code() {
         Code::Unavailable
@@ -120,7 +124,7 @@ pub fn classify(s: &Status) -> SendError {
 }
 
 /// Encodes requests that are already bytes; decodes the answer as `R`.
-pub struct RawCodec<R>(PhantomData<R>);
+pub(crate) struct RawCodec<R>(PhantomData<R>);
 
 impl<R> Default for RawCodec<R> {
     fn default() -> Self {
@@ -128,7 +132,7 @@ impl<R> Default for RawCodec<R> {
     }
 }
 
-pub struct RawEncoder;
+pub(crate) struct RawEncoder;
 
 impl Encoder for RawEncoder {
     type Item = std::sync::Arc<Vec<u8>>;
@@ -140,7 +144,7 @@ impl Encoder for RawEncoder {
     }
 }
 
-pub struct ProstDecoder<R>(PhantomData<R>);
+pub(crate) struct ProstDecoder<R>(PhantomData<R>);
 
 impl<R: prost14::Message + Default> Decoder for ProstDecoder<R> {
     type Item = R;
@@ -170,7 +174,7 @@ impl<R: prost14::Message + Default + Send + 'static> Codec for RawCodec<R> {
 
 /// One unary call of `path` with an encoded request and the given metadata; `gzip`
 /// compresses the request on the wire.
-pub async fn unary<R: prost14::Message + Default + Send + 'static>(
+pub(crate) async fn unary<R: prost14::Message + Default + Send + 'static>(
     channel: Channel,
     path: &'static str,
     body: std::sync::Arc<Vec<u8>>,

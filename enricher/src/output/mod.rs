@@ -36,14 +36,14 @@ pub(crate) trait BinaryFiles {
 
 /// One round as every sink receives it: grouped and encoded once.
 pub(crate) struct Published<'a> {
-    pub round: &'a Arc<Round>,
+    pub(crate) round: &'a Arc<Round>,
     /// Each group's label set and its stacks (indices into `round.stacks`).
-    pub groups: &'a Groups,
+    pub(crate) groups: &'a Groups,
     /// The groups' gzip pprof profiles.
-    pub profiles: &'a [Encoded],
+    pub(crate) profiles: &'a [Encoded],
     /// Where each group's profile lives (folder, file, id, link).
-    pub layout: &'a RoundLayout,
-    pub binaries: &'a dyn BinaryFiles,
+    pub(crate) layout: &'a RoundLayout,
+    pub(crate) binaries: &'a dyn BinaryFiles,
 }
 
 pub(crate) type Done<'a> = Pin<Box<dyn Future<Output = ()> + 'a>>;

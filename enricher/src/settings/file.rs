@@ -57,7 +57,7 @@ pub struct Parsed {
     pub labeling: Labeling,
 }
 
-pub fn load(path: &Path) -> Result<Parsed, ConfigError> {
+pub(crate) fn load(path: &Path) -> Result<Parsed, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_path_buf(),
         source,
@@ -170,7 +170,7 @@ pub fn parse(text: &str, path: &Path) -> Result<Parsed, ConfigError> {
 }
 
 /// Relabeling of the built-in rules, or of `rules` when given.
-pub fn labeling(
+pub(crate) fn labeling(
     rules: Option<&[RuleConfig]>,
     external: BTreeMap<String, String>,
 ) -> Result<Labeling, relabel::RelabelError> {
@@ -186,7 +186,7 @@ pub fn labeling(
 
 /// The settings from `argv` and the environment, and from the file `--config` names for
 /// every setting those left at its default.
-pub fn settings(argv: Vec<OsString>) -> Result<(Settings, Labeling), SettingsError> {
+pub(crate) fn settings(argv: Vec<OsString>) -> Result<(Settings, Labeling), SettingsError> {
     let m = Settings::command().try_get_matches_from(&argv)?;
     let Some(path) = m.get_one::<PathBuf>("config").cloned() else {
         let labeling = labeling(None, BTreeMap::new()).map_err(SettingsError::BuiltIn)?;
@@ -208,7 +208,7 @@ fn from_file(m: &ArgMatches, args: Vec<(String, Vec<OsString>)>) -> Vec<OsString
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum SettingsError {
+pub(crate) enum SettingsError {
     #[error(transparent)]
     Args(#[from] clap::Error),
     #[error("invalid config: {0}")]

@@ -25,7 +25,7 @@ pub enum ProfileBy {
 
 /// How OTLP requests travel (`--otlp-compression`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug, Default, clap::ValueEnum)]
-pub enum Compression {
+pub(crate) enum Compression {
     /// gRPC gzip: a round's request shrinks several times (its dictionary is text).
     #[default]
     Gzip,
@@ -34,7 +34,7 @@ pub enum Compression {
 
 /// Which binaries go to Parca's debuginfo service (`--debuginfo-upload`).
 #[derive(Clone, Copy, PartialEq, Eq, Default, Debug, clap::ValueEnum)]
-pub enum DebuginfoMode {
+pub(crate) enum DebuginfoMode {
     /// No upload.
     Off,
     /// Binaries whose frames firn could not name.
@@ -52,37 +52,37 @@ pub enum DebuginfoMode {
 /// file of --config by its name with `_` for `-` (flags and variables win over it).
 #[derive(Debug, Parser)]
 #[command(name = "firn-enricher", version, about, long_about)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// The sampler's socket.
     #[arg(long, env = "FIRN_SOCKET", default_value = "/run/firn/sampler.sock")]
-    pub socket: PathBuf,
+    pub(crate) socket: PathBuf,
 
     /// Where profiles are written: one folder per round, gzip pprof files and an
     /// index.jsonl mapping each file to its labels.
     #[arg(long, env = "FIRN_OUTPUT_DIR", default_value = "profiles")]
-    pub output_dir: PathBuf,
+    pub(crate) output_dir: PathBuf,
 
     /// Total size kept under --output-dir; the oldest rounds go first (e.g. 1GiB, 200MiB).
     #[arg(long, env = "FIRN_RETENTION_SIZE", default_value = "1GiB", value_parser = parse_bytes)]
-    pub retention_size: u64,
+    pub(crate) retention_size: u64,
 
     /// Age after which rounds are removed (e.g. 24h, 90m, 7d).
     #[arg(long, env = "FIRN_RETENTION_AGE", default_value = "24h", value_parser = parse_duration)]
-    pub retention_age: Duration,
+    pub(crate) retention_age: Duration,
 
     /// Free space to leave on the output filesystem; rounds are skipped (and counted)
     /// below it.
     #[arg(long, env = "FIRN_MIN_FREE", default_value = "64MiB", value_parser = parse_bytes)]
-    pub min_free: u64,
+    pub(crate) min_free: u64,
 
     /// Address of the HTTP server (metrics, health, profiles, pprof endpoints).
     #[arg(long, env = "FIRN_HTTP_ADDRESS", default_value = "127.0.0.1:7071")]
-    pub http_address: SocketAddr,
+    pub(crate) http_address: SocketAddr,
 
     /// Binaries kept in the symbol cache (LRU; each holds one open file).
     #[arg(long, env = "FIRN_SYMBOL_CACHE", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
-    pub symbol_cache: u32,
+    pub(crate) symbol_cache: u32,
 
     /// Symbols held parsed at once, in bytes of symbol tables and DWARF (uncompressed
     /// debug sections, a binary's own or its separate debug file's). Parsed symbols
@@ -92,13 +92,13 @@ pub struct Settings {
     /// symbol tables: function names without file:line or inline frames. 0 keeps
     /// nothing parsed between rounds.
     #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
-    pub symbol_budget: u64,
+    pub(crate) symbol_budget: u64,
 
     /// Named frames remembered over all binaries (LRU), so that a frame is symbolized
     /// once, not every round.
     #[arg(long, env = "FIRN_SYMBOL_FRAMES", default_value_t = 32_768,
           value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
-    pub symbol_frames: u32,
+    pub(crate) symbol_frames: u32,
 
     /// Samples a process needs (in all rounds so far) before the unwind tables of its
     /// binaries are built and sent to the sampler. Loading a table is the sampler's
@@ -106,14 +106,14 @@ pub struct Settings {
     /// until it runs more. 1 sends tables for every sampled process.
     #[arg(long, env = "FIRN_UNWIND_MIN_SAMPLES", default_value_t = 5,
           value_parser = clap::value_parser!(u64).range(1..))]
-    pub unwind_min_samples: u64,
+    pub(crate) unwind_min_samples: u64,
 
     /// Send every round to an OTLP profiles backend over gRPC
     /// (`ProfilesService/Export`, proto v1development): the OpenTelemetry Collector,
     /// Grafana Pyroscope, Parca. http://host:port is plain, https://host:port is TLS
     /// with the system's roots (or --otlp-ca-file).
     #[arg(long, env = "FIRN_OTLP_ENDPOINT")]
-    pub otlp_endpoint: Option<String>,
+    pub(crate) otlp_endpoint: Option<String>,
 
     /// A header for every OTLP request, as KEY=VALUE; repeatable. Values are never
     /// logged, but a command line is readable by every local user: put credentials
@@ -124,69 +124,69 @@ pub struct Settings {
         value_delimiter = ',',
         hide_env_values = true
     )]
-    pub otlp_headers: Vec<String>,
+    pub(crate) otlp_headers: Vec<String>,
 
     /// File of headers for every OTLP request, one KEY=VALUE a line (e.g.
     /// `authorization=Bearer …`); read at start and on SIGHUP, never logged. It must
     /// not be readable by group or others (systemd: LoadCredential=).
     #[arg(long, env = "FIRN_OTLP_HEADERS_FILE")]
-    pub otlp_headers_file: Option<PathBuf>,
+    pub(crate) otlp_headers_file: Option<PathBuf>,
 
     /// Compression of OTLP requests on the wire: gzip (what the OpenTelemetry
     /// Collector and other receivers accept) or none.
     #[arg(long, env = "FIRN_OTLP_COMPRESSION", value_enum,
           default_value_t = Compression::Gzip)]
-    pub otlp_compression: Compression,
+    pub(crate) otlp_compression: Compression,
 
     /// PEM CA certificate(s) to verify an https:// OTLP endpoint with, instead of the
     /// system's roots.
     #[arg(long, env = "FIRN_OTLP_CA_FILE")]
-    pub otlp_ca_file: Option<PathBuf>,
+    pub(crate) otlp_ca_file: Option<PathBuf>,
 
     /// Send every round to a Parca server (`ProfileStoreService/WriteRaw`), as
     /// host:port. TLS unless --parca-insecure.
     #[arg(long, env = "FIRN_PARCA_ADDRESS")]
-    pub parca_address: Option<String>,
+    pub(crate) parca_address: Option<String>,
 
     /// Plain gRPC to Parca (no TLS).
     #[arg(long, env = "FIRN_PARCA_INSECURE")]
-    pub parca_insecure: bool,
+    pub(crate) parca_insecure: bool,
 
     /// File holding the bearer token for Parca (e.g. Polar Signals Cloud). Read at
     /// start and on SIGHUP; never logged. It must not be readable by group or others.
     #[arg(long, env = "FIRN_PARCA_BEARER_TOKEN_FILE")]
-    pub parca_bearer_token_file: Option<PathBuf>,
+    pub(crate) parca_bearer_token_file: Option<PathBuf>,
 
     /// PEM CA certificate(s) to verify Parca's TLS certificate with, instead of the
     /// system's roots.
     #[arg(long, env = "FIRN_PARCA_CA_FILE")]
-    pub parca_ca_file: Option<PathBuf>,
+    pub(crate) parca_ca_file: Option<PathBuf>,
 
     /// Upload binaries to Parca's debuginfo service: `on` those whose frames firn
     /// could not name (stripped), `all` every binary with a build id the server lacks,
     /// `off` none.
     #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD", value_enum,
           default_value_t = DebuginfoMode::On)]
-    pub debuginfo_upload: DebuginfoMode,
+    pub(crate) debuginfo_upload: DebuginfoMode,
 
     /// Debuginfo uploads at once.
     #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD_CONCURRENCY", default_value_t = 2,
           value_parser = clap::value_parser!(u32).range(1..=16))]
-    pub debuginfo_upload_concurrency: u32,
+    pub(crate) debuginfo_upload_concurrency: u32,
 
     /// Bytes per second of debuginfo upload, over all uploads (e.g. 4MiB).
     #[arg(long, env = "FIRN_DEBUGINFO_UPLOAD_RATE", default_value = "4MiB", value_parser = parse_bytes)]
-    pub debuginfo_upload_rate: u64,
+    pub(crate) debuginfo_upload_rate: u64,
 
     /// Where upload sinks keep requests their backend has not taken yet (one folder
     /// per sink); default: .spool under --output-dir.
     #[arg(long, env = "FIRN_UPLOAD_SPOOL_DIR")]
-    pub upload_spool_dir: Option<PathBuf>,
+    pub(crate) upload_spool_dir: Option<PathBuf>,
 
     /// Bytes of unsent requests each upload sink keeps on disk; past it the oldest are
     /// dropped (and counted). 0 keeps nothing on disk.
     #[arg(long, env = "FIRN_UPLOAD_SPOOL_SIZE", default_value = "256MiB", value_parser = parse_bytes)]
-    pub upload_spool_size: u64,
+    pub(crate) upload_spool_size: u64,
 
     /// Send every round to OpenSearch as documents (`_bulk`): one per profile (labels,
     /// samples, CPU, top functions, a link to the pprof) and one per distinct stack
@@ -194,68 +194,68 @@ pub struct Settings {
     /// template installed when absent. http:// is plain, https:// is TLS with the
     /// system's roots (or --opensearch-ca-file).
     #[arg(long, env = "FIRN_OPENSEARCH_URL")]
-    pub opensearch_url: Option<String>,
+    pub(crate) opensearch_url: Option<String>,
 
     /// User for OpenSearch's basic authentication; the password comes from
     /// --opensearch-password-file or the FIRN_OPENSEARCH_PASSWORD environment variable,
     /// never from a flag.
     #[arg(long, env = "FIRN_OPENSEARCH_USERNAME")]
-    pub opensearch_username: Option<String>,
+    pub(crate) opensearch_username: Option<String>,
 
     /// File holding the OpenSearch password. Read at start and on SIGHUP; never logged.
     /// It must not be readable by group or others.
     #[arg(long, env = "FIRN_OPENSEARCH_PASSWORD_FILE")]
-    pub opensearch_password_file: Option<PathBuf>,
+    pub(crate) opensearch_password_file: Option<PathBuf>,
 
     /// PEM CA certificate(s) to verify an https:// OpenSearch with, instead of the
     /// system's roots.
     #[arg(long, env = "FIRN_OPENSEARCH_CA_FILE")]
-    pub opensearch_ca_file: Option<PathBuf>,
+    pub(crate) opensearch_ca_file: Option<PathBuf>,
 
     /// Index names: `<prefix>-YYYY.MM.DD` (UTC), and the index template `<prefix>`.
     #[arg(long, env = "FIRN_OPENSEARCH_INDEX_PREFIX", default_value = "firn-profiles",
           value_parser = index_prefix)]
-    pub opensearch_index_prefix: String,
+    pub(crate) opensearch_index_prefix: String,
 
     /// Stack documents per round at most: the stacks with the most samples are kept,
     /// the rest are counted in their profile documents only. Bounds the bytes a round
     /// sends.
     #[arg(long, env = "FIRN_OPENSEARCH_MAX_STACKS", default_value_t = 2_000,
           value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
-    pub opensearch_max_stacks: u32,
+    pub(crate) opensearch_max_stacks: u32,
 
     /// Bytes of one round's `_bulk` request past which no more stack documents are
     /// added (the heaviest stacks go first; profile documents always go).
     #[arg(long, env = "FIRN_OPENSEARCH_MAX_BYTES", default_value = "4MiB", value_parser = parse_bytes)]
-    pub opensearch_max_bytes: u64,
+    pub(crate) opensearch_max_bytes: u64,
 
     /// Base of the pprof links in profile documents (the enricher's HTTP address as
     /// others reach it); default: http://<--http-address>.
     #[arg(long, env = "FIRN_OPENSEARCH_PPROF_BASE_URL")]
-    pub opensearch_pprof_base_url: Option<String>,
+    pub(crate) opensearch_pprof_base_url: Option<String>,
 
     /// Bytes of unsent requests each upload sink keeps in memory before spooling the
     /// oldest to disk.
     #[arg(long, env = "FIRN_UPLOAD_MEMORY", default_value = "4MiB", value_parser = parse_bytes)]
-    pub upload_memory: u64,
+    pub(crate) upload_memory: u64,
 
     /// Longest wait for a backend's answer to one request (e.g. 30s).
     #[arg(long, env = "FIRN_UPLOAD_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub upload_timeout: Duration,
+    pub(crate) upload_timeout: Duration,
 
     /// Longest wait between retries while a backend fails (backoff doubles from 1s,
     /// with jitter).
     #[arg(long, env = "FIRN_UPLOAD_BACKOFF_MAX", default_value = "60s", value_parser = parse_duration)]
-    pub upload_backoff_max: Duration,
+    pub(crate) upload_backoff_max: Duration,
 
     /// Value of the `node` label; default: the sampler's host name.
     #[arg(long, env = "FIRN_NODE")]
-    pub node: Option<String>,
+    pub(crate) node: Option<String>,
 
     /// What one profile covers: each process, each container, or each distinct final
     /// label set (processes whose labels are equal after relabeling merge).
     #[arg(long, env = "FIRN_PROFILE_BY", value_enum, default_value_t = ProfileBy::Process)]
-    pub profile_by: ProfileBy,
+    pub(crate) profile_by: ProfileBy,
 
     /// YAML config: any setting below by its name (`output_dir`, `retention_size`, …),
     /// plus `relabel_configs` (Prometheus semantics over the `__meta_*` labels; replaces
@@ -263,36 +263,36 @@ pub struct Settings {
     /// SIGHUP reloads relabeling and external labels; an invalid file is refused at
     /// start and ignored (with a log line) on reload.
     #[arg(long, env = "FIRN_CONFIG")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
 
     /// Label processes with Kubernetes metadata (namespace, pod, container, pod labels
     /// and annotations) by watching the pods of this node (`--node`, default the host
     /// name). On by default inside a cluster (KUBERNETES_SERVICE_HOST set).
     #[arg(long, env = "FIRN_KUBERNETES")]
-    pub kubernetes: bool,
+    pub(crate) kubernetes: bool,
 
     /// kubeconfig to reach the API server; default: the in-cluster service account,
     /// else KUBECONFIG or ~/.kube/config.
     #[arg(long, env = "FIRN_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    pub(crate) kubeconfig: Option<PathBuf>,
 
     /// Print every batch as one JSON line on stdout instead of writing profiles
     /// (debugging the stream).
     #[arg(long, env = "FIRN_DUMP")]
-    pub dump: bool,
+    pub(crate) dump: bool,
 
     /// Allow running as uid 0. The enricher parses untrusted input (binaries, metadata,
     /// server replies) and needs no privilege, so root is refused by default.
     #[arg(long, env = "FIRN_ALLOW_ROOT")]
-    pub allow_root: bool,
+    pub(crate) allow_root: bool,
 
     /// Protocol version to announce (tests of the mismatch path only).
     #[arg(long, hide = true, default_value_t = firn_schema::PROTOCOL_VERSION)]
-    pub protocol_version: u32,
+    pub(crate) protocol_version: u32,
 
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
-    pub log: String,
+    pub(crate) log: String,
 }
 
 /// `1GiB`, `200MiB`, `64KiB`, `1G`, `5MB`, or plain bytes.

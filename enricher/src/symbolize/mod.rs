@@ -57,7 +57,7 @@ pub fn panic_is_contained() -> bool {
 }
 
 /// Runs `f`, turning a panic into None.
-pub fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
+pub(crate) fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
     let outer = CONTAINED.with(|c| c.replace(true));
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     CONTAINED.with(|c| c.set(outer));
@@ -151,7 +151,7 @@ impl Symbolizer {
     }
 
     /// The cached binary for a mapping's device and inode, if one is loaded.
-    pub fn lookup_file(&mut self, dev: u64, ino: u64) -> Option<BinaryId> {
+    pub(crate) fn lookup_file(&mut self, dev: u64, ino: u64) -> Option<BinaryId> {
         let id = self.by_file.get(&(dev, ino))?.clone();
         self.binaries.contains(&id).then_some(id)
     }
@@ -161,7 +161,7 @@ impl Symbolizer {
     }
 
     /// A new handle on a cached binary's file, by its build id (for debuginfo upload).
-    pub fn binary_file(&self, build_id: &[u8]) -> Option<std::fs::File> {
+    pub(crate) fn binary_file(&self, build_id: &[u8]) -> Option<std::fs::File> {
         let b = self.binaries.peek(&BinaryId::BuildId(build_id.to_vec()))?;
         b.fd.try_clone().ok().map(std::fs::File::from)
     }
@@ -171,16 +171,12 @@ impl Symbolizer {
         self.binaries.peek(id).and_then(|b| b.stripped)
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.binaries.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.binaries.is_empty()
-    }
-
     /// Whether `id` is still cached (not evicted).
-    pub fn contains(&self, id: &BinaryId) -> bool {
+    pub(crate) fn contains(&self, id: &BinaryId) -> bool {
         self.binaries.contains(id)
     }
 
@@ -190,7 +186,7 @@ impl Symbolizer {
     }
 
     /// Named frames cached now.
-    pub fn frames_cached(&self) -> usize {
+    pub(crate) fn frames_cached(&self) -> usize {
         self.frames.len()
     }
 

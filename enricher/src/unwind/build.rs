@@ -45,7 +45,7 @@ pub enum BuildError {
 
 /// Where the rows came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Source {
+pub(crate) enum Source {
     EhFrame,
     DebugFrame,
 }
@@ -54,7 +54,7 @@ pub enum Source {
 #[derive(Debug)]
 pub struct Table {
     pub rows: Vec<Row>,
-    pub source: Source,
+    pub(crate) source: Source,
     pub fdes: usize,
     /// Rows whose CFA rule the unwinder cannot follow (kept, so it stops cleanly there).
     pub unsupported: usize,
@@ -63,7 +63,7 @@ pub struct Table {
 }
 
 impl Table {
-    pub fn bytes(&self) -> Vec<u8> {
+    pub(crate) fn bytes(&self) -> Vec<u8> {
         self.rows.iter().flat_map(|r| r.to_bytes()).collect()
     }
 }

@@ -13,7 +13,7 @@ const MAX_FILE_BYTES: u64 = 2 << 30;
 
 /// What became of a file's table within one subscription.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub(crate) enum State {
     /// In the sampler's maps.
     Loaded,
     /// Building or sending failed in a way worth another try from this round on.
@@ -24,7 +24,7 @@ pub enum State {
 
 /// Per subscription: tables are the sampler's only while the subscription lasts.
 #[derive(Debug, Default)]
-pub struct Sent {
+pub(crate) struct Sent {
     by_file: HashMap<(u64, u64), State>,
     /// The sampler's `unwind_tables_evicted` when last seen.
     evicted: u64,
@@ -32,7 +32,7 @@ pub struct Sent {
 
 impl Sent {
     /// Whether the file `(dev, inode)` still wants a table in round `round`.
-    pub fn wants(&self, file: (u64, u64), round: u64) -> bool {
+    pub(crate) fn wants(&self, file: (u64, u64), round: u64) -> bool {
         match self.by_file.get(&file) {
             None => true,
             Some(State::Retry(from)) => round >= *from,
@@ -40,13 +40,13 @@ impl Sent {
         }
     }
 
-    pub fn set(&mut self, file: (u64, u64), s: State) {
+    pub(crate) fn set(&mut self, file: (u64, u64), s: State) {
         self.by_file.insert(file, s);
     }
 
     /// The sampler evicted tables (to make room) since last seen: which ones it does not
     /// say, so every loaded file is sent again when a sampled process maps it.
-    pub fn note_evictions(&mut self, evicted: u64) {
+    pub(crate) fn note_evictions(&mut self, evicted: u64) {
         if evicted > self.evicted {
             self.by_file.retain(|_, s| *s != State::Loaded);
         }
@@ -54,7 +54,7 @@ impl Sent {
     }
 
     #[cfg(test)]
-    pub fn loaded(&self) -> usize {
+    pub(crate) fn loaded(&self) -> usize {
         self.by_file
             .values()
             .filter(|s| **s == State::Loaded)
@@ -63,7 +63,7 @@ impl Sent {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum LoadError {
+pub(crate) enum LoadError {
     #[error("reading the binary: {0}")]
     Io(#[from] std::io::Error),
     #[error("the binary is {0} bytes, over the {MAX_FILE_BYTES}-byte bound")]
@@ -75,7 +75,7 @@ pub enum LoadError {
 }
 
 /// Builds the table of the file behind `fd` (mapped read-only, never written).
-pub fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
+pub(crate) fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
     let file = std::fs::File::from(fd);
     let len = file.metadata()?.len();
     if len > MAX_FILE_BYTES {

@@ -27,14 +27,14 @@ use crate::counters::{bump, Counters};
 
 /// Calls (and Bootstraps) a connection may leave without a `Finish` at once. The
 /// enricher has a handful in flight.
-pub const MAX_QUESTIONS: usize = 256;
+pub(crate) const MAX_QUESTIONS: usize = 256;
 /// Incoming messages per connection: sustained per second, and burst. Each call brings
 /// two (the call and its `Finish`), so this sits above the call budget.
 const MESSAGE_RATE: f64 = 1_000.0;
 const MESSAGE_BURST: f64 = 10_000.0;
 
 /// The per-connection message checks.
-pub struct MessageBudget {
+pub(crate) struct MessageBudget {
     bootstraps: Cell<u32>,
     questions: RefCell<HashSet<u32>>,
     rate: RefCell<TokenBucket>,
@@ -44,7 +44,7 @@ pub struct MessageBudget {
 }
 
 impl MessageBudget {
-    pub fn new(counters: Rc<Counters>) -> Self {
+    pub(crate) fn new(counters: Rc<Counters>) -> Self {
         Self {
             bootstraps: Cell::new(0),
             questions: RefCell::new(HashSet::new()),
@@ -55,7 +55,7 @@ impl MessageBudget {
     }
 
     /// Whether a check closed the connection (and counted it).
-    pub fn refused(&self) -> Option<&'static str> {
+    pub(crate) fn refused(&self) -> Option<&'static str> {
         self.refused.get()
     }
 
@@ -102,7 +102,7 @@ impl MessageBudget {
     }
 
     /// Checks one incoming message; an error ends the connection.
-    pub fn check(&self, msg: &dyn IncomingMessage) -> Result<(), capnp::Error> {
+    pub(crate) fn check(&self, msg: &dyn IncomingMessage) -> Result<(), capnp::Error> {
         let c = &self.counters;
         if self.refused.get().is_some() {
             return Err(capnp::Error::failed("connection refused".into()));
@@ -148,9 +148,9 @@ impl MessageBudget {
 
 /// A vat network whose connections pass every incoming message through a
 /// [`MessageBudget`] first.
-pub struct GuardedNetwork<N> {
-    pub inner: N,
-    pub budget: Rc<MessageBudget>,
+pub(crate) struct GuardedNetwork<N> {
+    pub(crate) inner: N,
+    pub(crate) budget: Rc<MessageBudget>,
 }
 
 struct GuardedConnection {
@@ -249,8 +249,8 @@ impl Connection<Side> for GuardedConnection {
 
 /// Methods of each interface in the schema (`@0`..): a call past them is a client
 /// this sampler was not built for, or a probe.
-pub const SAMPLER_METHODS: u16 = 2;
-pub const SUBSCRIPTION_METHODS: u16 = 2;
+pub(crate) const SAMPLER_METHODS: u16 = 2;
+pub(crate) const SUBSCRIPTION_METHODS: u16 = 2;
 
 /// A generated dispatcher behind a check: a call to an interface or method the sampler
 /// does not have is counted and closes the connection. capnp-rpc alone would answer

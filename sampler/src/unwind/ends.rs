@@ -12,7 +12,7 @@ use crate::counters::Counters;
 macro_rules! ends {
     ($($bpf:ident => $wire:ident, $counter:ident;)*) => {
         /// Every reason in value order: the program's value, the wire's, its counter.
-        pub const ALL: &[(End, Wire, fn(&Counters) -> &Cell<u64>)] = &[
+        pub(crate) const ALL: &[(End, Wire, fn(&Counters) -> &Cell<u64>)] = &[
             $((End::$bpf, Wire::$wire, |c: &Counters| &c.$counter),)*
         ];
         const _: () = {
@@ -45,20 +45,20 @@ const _: () = assert!(
 );
 
 /// The program's per-CPU counter slot of stacks that ended for `reason`.
-pub const fn slot(reason: End) -> firn_counter {
+pub(crate) const fn slot(reason: End) -> firn_counter {
     firn_counter(firn_counter::FIRN_CTR_END_BASE.0 + reason.0)
 }
 
 /// The wire's value of a reason the program wrote (an unknown one, which the program
 /// never writes, as `unsupported`).
-pub fn wire(reason: u32) -> Wire {
+pub(crate) fn wire(reason: u32) -> Wire {
     ALL.get(reason as usize)
         .map_or(Wire::Unsupported, |&(_, w, _)| w)
 }
 
 /// Whether the stack ended at a frame outside the process's known code: the sampler
 /// reads its mappings again (code mapped since, e.g. dlopen).
-pub fn outside_mappings(reason: u32) -> bool {
+pub(crate) fn outside_mappings(reason: u32) -> bool {
     reason == End::FIRN_END_BAD_FRAME.0
 }
 

@@ -23,7 +23,7 @@ use libbpf_rs::libbpf_sys;
 use crate::counters::{add, bump, Counters};
 use crate::procfs::{Mapping, ProcessRecord};
 
-pub mod ends;
+pub(crate) mod ends;
 mod rows;
 pub use rows::{check_rows, Pool, TableError};
 
@@ -31,15 +31,15 @@ pub use rows::{check_rows, Pool, TableError};
 pub const ROW_BYTES: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
 const _: () = assert!(ROW_BYTES == std::mem::size_of::<firn_sampler_bpf::types::firn_unwind_row>());
 /// The BPF binary search takes 24 steps: a table has fewer rows than 2^24.
-pub const MAX_TABLE_ROWS: u32 = (1 << 24) - 1;
+pub(crate) const MAX_TABLE_ROWS: u32 = (1 << 24) - 1;
 /// Default size of the row pool (`--unwind-rows`): 32 MiB of kernel memory.
-pub const DEFAULT_POOL_ROWS: u32 = 4 << 20;
+pub(crate) const DEFAULT_POOL_ROWS: u32 = 4 << 20;
 /// Default row limit of one table (`--unwind-table-rows`): 8 MiB.
-pub const DEFAULT_TABLE_ROWS: u32 = 1 << 20;
+pub(crate) const DEFAULT_TABLE_ROWS: u32 = 1 << 20;
 /// Files with a table at once (`tables` map entries).
-pub const MAX_TABLES: usize = 4096;
+pub(crate) const MAX_TABLES: usize = 4096;
 /// Executable mappings of a process the unwinder sees (`FIRN_MAX_MAPPINGS`).
-pub const MAX_MAPPINGS: usize = 60;
+pub(crate) const MAX_MAPPINGS: usize = 60;
 const _: () = assert!(
     std::mem::size_of::<firn_sampler_bpf::types::firn_proc_maps>() == 16 + MAX_MAPPINGS * 32
 );
@@ -64,13 +64,13 @@ const _: () = {
 
 /// A file as the BPF maps name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FileKey {
-    pub inode: u64,
-    pub dev: u32,
+pub(crate) struct FileKey {
+    pub(crate) inode: u64,
+    pub(crate) dev: u32,
 }
 
 impl FileKey {
-    pub fn of(m: &Mapping) -> Self {
+    pub(crate) fn of(m: &Mapping) -> Self {
         Self {
             inode: m.inode,
             dev: (m.dev_major & 0xfff) << 20 | (m.dev_minor & 0xf_ffff),
@@ -110,9 +110,9 @@ struct Pending {
 
 /// Limits of the tables (flags).
 #[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub pool_rows: u32,
-    pub table_rows: u32,
+pub(crate) struct Limits {
+    pub(crate) pool_rows: u32,
+    pub(crate) table_rows: u32,
 }
 
 /// The unwinder's maps, written by the sampler.
@@ -134,7 +134,7 @@ pub struct Unwind {
 
 impl Unwind {
     /// Takes the three maps' fds (duplicated before confinement).
-    pub fn new(
+    pub(crate) fn new(
         rows: OwnedFd,
         tables: OwnedFd,
         procmaps: OwnedFd,
@@ -179,13 +179,13 @@ impl Unwind {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.limits.pool_rows > 0 && self.maps.is_some()
     }
 
     /// Takes one chunk of the table for `file` from subscription `owner`. `Ok(true)`:
     /// the table is complete and in use.
-    pub fn take_chunk(
+    pub(crate) fn take_chunk(
         &mut self,
         owner: u64,
         file: FileKey,
@@ -340,7 +340,7 @@ impl Unwind {
     }
 
     /// The subscription `owner` ended: its tables go.
-    pub fn drop_owner(&mut self, owner: u64) {
+    pub(crate) fn drop_owner(&mut self, owner: u64) {
         if self.owner != Some(owner) {
             return;
         }
@@ -357,12 +357,12 @@ impl Unwind {
         );
     }
 
-    pub fn rows_in_use(&self) -> u64 {
+    pub(crate) fn rows_in_use(&self) -> u64 {
         u64::from(self.limits.pool_rows - self.pool.free_rows())
     }
 
     /// Writes the executable mappings of a process just read from /proc.
-    pub fn set_process(&mut self, key: crate::processes::ProcKey, rec: &ProcessRecord) {
+    pub(crate) fn set_process(&mut self, key: crate::processes::ProcKey, rec: &ProcessRecord) {
         let c = self.counters.clone();
         let Some(bpf) = &self.maps else { return };
         if !rec.complete {
@@ -437,7 +437,7 @@ impl Unwind {
 
     /// The process is forgotten: its mappings go, unless the pid is another process's
     /// by now (reuse, or its next program after an exec).
-    pub fn forget_process(&mut self, key: crate::processes::ProcKey) {
+    pub(crate) fn forget_process(&mut self, key: crate::processes::ProcKey) {
         match self.processes.get(&key.tgid) {
             Some(&(start, exec, _)) if start == key.start_ns && exec == key.exec_id => {}
             _ => return,

@@ -31,7 +31,7 @@ pub enum TableError {
 
 impl TableError {
     /// A lie or a bug of the sender, not a budget: the connection is closed.
-    pub fn is_malformed(&self) -> bool {
+    pub(crate) fn is_malformed(&self) -> bool {
         matches!(
             self,
             Self::Ragged | Self::Empty | Self::Unsorted(_) | Self::BadKind(_) | Self::BadOffset(_)

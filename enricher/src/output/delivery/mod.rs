@@ -44,27 +44,27 @@ pub(crate) fn request_id(end_ns: u64, round: u64) -> String {
 
 /// One request: its id (see [`request_id`]) and its encoded bytes.
 #[derive(Clone)]
-pub struct Request {
-    pub id: String,
-    pub body: Arc<Vec<u8>>,
+pub(crate) struct Request {
+    pub(crate) id: String,
+    pub(crate) body: Arc<Vec<u8>>,
 }
 
 /// Sends one encoded request; the future ends when the backend answered.
-pub trait Transport {
+pub(crate) trait Transport {
     fn send(&self, body: Arc<Vec<u8>>) -> Pin<Box<dyn Future<Output = Result<(), SendError>>>>;
 }
 
 #[derive(Debug, Clone)]
-pub struct Limits {
+pub(crate) struct Limits {
     /// Bytes kept in memory before the oldest go to the spool.
-    pub memory_bytes: u64,
+    pub(crate) memory_bytes: u64,
     /// Bytes kept on disk; past it the oldest spooled request is dropped.
-    pub spool_bytes: u64,
+    pub(crate) spool_bytes: u64,
     /// Longest wait for one call's answer.
-    pub call_timeout: Duration,
+    pub(crate) call_timeout: Duration,
     /// First wait after a failure; it doubles up to `backoff_max`.
-    pub backoff_min: Duration,
-    pub backoff_max: Duration,
+    pub(crate) backoff_min: Duration,
+    pub(crate) backoff_max: Duration,
 }
 
 struct Queue {
@@ -80,7 +80,7 @@ enum Head {
     Disk(String),
 }
 
-pub struct Delivery {
+pub(crate) struct Delivery {
     name: &'static str,
     limits: Limits,
     queue: RefCell<Queue>,
@@ -89,13 +89,13 @@ pub struct Delivery {
     sending: std::cell::Cell<bool>,
     /// The last attempt failed.
     failing: std::cell::Cell<bool>,
-    pub metrics: Arc<SinkMetrics>,
+    pub(crate) metrics: Arc<SinkMetrics>,
 }
 
 impl Delivery {
     /// A sink's queue with its spool under `dir`; requests spooled by an earlier run
     /// and not yet delivered are sent first.
-    pub fn new(
+    pub(crate) fn new(
         name: &'static str,
         dir: &Path,
         limits: Limits,
@@ -149,7 +149,7 @@ impl Delivery {
     }
 
     /// Queues a request; past the memory bound the oldest move to the spool.
-    pub fn push(&self, r: Request) {
+    pub(crate) fn push(&self, r: Request) {
         {
             let mut q = self.queue.borrow_mut();
             q.memory_bytes += r.body.len() as u64;
@@ -195,7 +195,7 @@ impl Delivery {
 
     /// Whether a shutdown should wait for this sink: it is delivering (healthy, with
     /// requests waiting or one in flight).
-    pub fn draining(&self) -> bool {
+    pub(crate) fn draining(&self) -> bool {
         let q = self.queue.borrow();
         let waiting =
             !q.memory.is_empty() || q.spool.as_ref().is_some_and(|s| !s.entries.is_empty());
@@ -204,7 +204,7 @@ impl Delivery {
 
     /// Moves every request waiting in memory to the spool (at shutdown, so that a
     /// restart sends them).
-    pub fn flush_to_spool(&self) {
+    pub(crate) fn flush_to_spool(&self) {
         {
             let mut q = self.queue.borrow_mut();
             while let Some(r) = q.memory.pop_front() {
@@ -248,7 +248,7 @@ impl Delivery {
     }
 
     /// The sender: runs for the life of the enricher.
-    pub async fn run(self: Rc<Self>, transport: Rc<dyn Transport>) {
+    pub(crate) async fn run(self: Rc<Self>, transport: Rc<dyn Transport>) {
         let m = self.metrics.clone();
         let mut backoff = self.limits.backoff_min;
         let mut jitter = Jitter::seeded();

@@ -26,7 +26,7 @@ use crate::model::{LabelSet, Round};
 use crate::pprof as profile;
 
 /// How far back `/pprof/cpu` can reach.
-pub const MAX_WINDOW: Duration = Duration::from_secs(3600);
+pub(crate) const MAX_WINDOW: Duration = Duration::from_secs(3600);
 /// Rounds kept for `/pprof/cpu` at most, whatever their length.
 const MAX_ROUNDS: usize = 720;
 /// Stack entries kept for `/pprof/cpu` at most, over all kept rounds: the memory bound
@@ -36,29 +36,29 @@ const MAX_RECENT_STACKS: usize = 20_000;
 /// Rounds a label set stays in `/profiles` after its last profile.
 const LATEST_ROUNDS: u64 = 6;
 
-pub struct Latest {
-    pub id: String,
-    pub labels: Arc<LabelSet>,
-    pub samples: i64,
-    pub round: u64,
-    pub gz: Arc<Vec<u8>>,
+pub(crate) struct Latest {
+    pub(crate) id: String,
+    pub(crate) labels: Arc<LabelSet>,
+    pub(crate) samples: i64,
+    pub(crate) round: u64,
+    pub(crate) gz: Arc<Vec<u8>>,
 }
 
 #[derive(Default)]
-pub struct Inner {
-    pub latest: Vec<Latest>,
-    pub recent: VecDeque<Arc<Round>>,
+pub(crate) struct Inner {
+    pub(crate) latest: Vec<Latest>,
+    pub(crate) recent: VecDeque<Arc<Round>>,
     /// Stack entries over `recent`.
-    pub recent_stacks: usize,
-    pub last_batch: Option<SystemTime>,
-    pub round_seconds: u32,
+    pub(crate) recent_stacks: usize,
+    pub(crate) last_batch: Option<SystemTime>,
+    pub(crate) round_seconds: u32,
     /// End of the newest round dropped for the stack bound (not for age).
-    pub evicted_through_ns: u64,
+    pub(crate) evicted_through_ns: u64,
 }
 
-pub struct Shared {
-    pub metrics: Arc<Metrics>,
-    pub inner: Mutex<Inner>,
+pub(crate) struct Shared {
+    pub(crate) metrics: Arc<Metrics>,
+    pub(crate) inner: Mutex<Inner>,
     profiling: AtomicBool,
     /// The local sink's directory, for `/rounds/<round>/<file>` (the OpenSearch
     /// documents' pprof links).
@@ -66,7 +66,7 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub fn new(metrics: Arc<Metrics>, output_dir: std::path::PathBuf) -> Arc<Self> {
+    pub(crate) fn new(metrics: Arc<Metrics>, output_dir: std::path::PathBuf) -> Arc<Self> {
         Arc::new(Self {
             metrics,
             inner: Mutex::new(Inner::default()),
@@ -76,7 +76,7 @@ impl Shared {
     }
 
     /// The sampler's round length (for /healthz's idea of a stale batch).
-    pub fn set_round_seconds(&self, secs: u32) {
+    pub(crate) fn set_round_seconds(&self, secs: u32) {
         if let Ok(mut g) = self.inner.lock() {
             g.round_seconds = secs;
         }
@@ -84,7 +84,7 @@ impl Shared {
 
     /// Publishes a finished round: its profiles replace those of the same label sets,
     /// label sets unseen for a few rounds leave `/profiles`.
-    pub fn publish(&self, round: Arc<Round>, latest: Vec<Latest>) {
+    pub(crate) fn publish(&self, round: Arc<Round>, latest: Vec<Latest>) {
         let Ok(mut g) = self.inner.lock() else { return };
         let now = round.round;
         g.latest.retain(|l| {
@@ -144,7 +144,7 @@ impl Sink for HttpSink {
     }
 }
 
-pub fn router(state: Arc<Shared>) -> Router {
+pub(crate) fn router(state: Arc<Shared>) -> Router {
     Router::new()
         .route("/", get(page))
         .route("/static/app.js", get(script))

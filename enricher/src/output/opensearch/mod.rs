@@ -276,11 +276,11 @@ struct OpenSearchTransport {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct BulkOutcome {
     /// Request line pairs (action, document) to send again (429, 5xx).
-    pub retry: Vec<usize>,
-    pub rejected: usize,
-    pub accepted: usize,
+    pub(crate) retry: Vec<usize>,
+    pub(crate) rejected: usize,
+    pub(crate) accepted: usize,
     /// The first refusal's type and reason, for the log.
-    pub first_error: Option<String>,
+    pub(crate) first_error: Option<String>,
 }
 
 /// Reads a `_bulk` answer for `pairs` documents.

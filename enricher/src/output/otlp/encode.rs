@@ -40,7 +40,7 @@ fn string_value(s: &str) -> AnyValue {
 }
 
 /// Resource attributes of one label set.
-pub fn resource_attributes(labels: &LabelSet) -> Vec<KeyValue> {
+pub(crate) fn resource_attributes(labels: &LabelSet) -> Vec<KeyValue> {
     let get = |k: &str| labels.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
     let mut out: Vec<KeyValue> = Vec::with_capacity(labels.len() + 2);
     let mut push = |key: String, value: AnyValue| {

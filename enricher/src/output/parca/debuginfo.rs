@@ -40,10 +40,10 @@ enum State {
 }
 
 pub(super) struct Settings {
-    pub mode: Mode,
-    pub concurrency: usize,
+    pub(crate) mode: Mode,
+    pub(crate) concurrency: usize,
     /// Bytes per second over all uploads.
-    pub rate: u64,
+    pub(crate) rate: u64,
 }
 
 pub(super) struct Debuginfo {
@@ -56,7 +56,7 @@ pub(super) struct Debuginfo {
 }
 
 impl Debuginfo {
-    pub fn new(
+    pub(crate) fn new(
         channel: Channel,
         token: Rc<Token>,
         settings: Settings,
@@ -75,12 +75,12 @@ impl Debuginfo {
         })
     }
 
-    pub fn mode(&self) -> Mode {
+    pub(crate) fn mode(&self) -> Mode {
         self.settings.mode
     }
 
     /// Whether `build_id` (hex) should be offered now: not settled, not waiting to retry.
-    pub fn wants(&self, build_id: &str) -> bool {
+    pub(crate) fn wants(&self, build_id: &str) -> bool {
         match self.cache.borrow_mut().get(build_id) {
             None => true,
             Some(State::Settled) => false,
@@ -89,7 +89,7 @@ impl Debuginfo {
     }
 
     /// Starts handling one binary in the background.
-    pub fn offer(self: &Rc<Self>, build_id: String, file: std::fs::File) {
+    pub(crate) fn offer(self: &Rc<Self>, build_id: String, file: std::fs::File) {
         self.cache
             .borrow_mut()
             .put(build_id.clone(), State::Settled);

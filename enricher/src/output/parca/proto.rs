@@ -8,154 +8,154 @@ use prost14::{Message, Oneof};
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct WriteRawRequest {
+pub(crate) struct WriteRawRequest {
     #[prost(string, tag = "1")]
-    pub tenant: String,
+    pub(crate) tenant: String,
     #[prost(message, repeated, tag = "2")]
-    pub series: Vec<RawProfileSeries>,
+    pub(crate) series: Vec<RawProfileSeries>,
     #[prost(bool, tag = "3")]
-    pub normalized: bool,
+    pub(crate) normalized: bool,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct WriteRawResponse {}
+pub(crate) struct WriteRawResponse {}
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct RawProfileSeries {
+pub(crate) struct RawProfileSeries {
     #[prost(message, optional, tag = "1")]
-    pub labels: Option<LabelSet>,
+    pub(crate) labels: Option<LabelSet>,
     #[prost(message, repeated, tag = "2")]
-    pub samples: Vec<RawSample>,
+    pub(crate) samples: Vec<RawSample>,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct LabelSet {
+pub(crate) struct LabelSet {
     #[prost(message, repeated, tag = "1")]
-    pub labels: Vec<Label>,
+    pub(crate) labels: Vec<Label>,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct Label {
+pub(crate) struct Label {
     #[prost(string, tag = "1")]
-    pub name: String,
+    pub(crate) name: String,
     #[prost(string, tag = "2")]
-    pub value: String,
+    pub(crate) value: String,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct RawSample {
+pub(crate) struct RawSample {
     #[prost(bytes = "vec", tag = "1")]
-    pub raw_profile: Vec<u8>,
+    pub(crate) raw_profile: Vec<u8>,
     #[prost(message, repeated, tag = "2")]
-    pub executable_info: Vec<ExecutableInfo>,
+    pub(crate) executable_info: Vec<ExecutableInfo>,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct ExecutableInfo {
+pub(crate) struct ExecutableInfo {
     #[prost(uint32, tag = "1")]
-    pub elf_type: u32,
+    pub(crate) elf_type: u32,
     #[prost(message, optional, tag = "2")]
-    pub load_segment: Option<LoadSegment>,
+    pub(crate) load_segment: Option<LoadSegment>,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct LoadSegment {
+pub(crate) struct LoadSegment {
     #[prost(uint64, tag = "1")]
-    pub offset: u64,
+    pub(crate) offset: u64,
     #[prost(uint64, tag = "2")]
-    pub vaddr: u64,
+    pub(crate) vaddr: u64,
 }
 
 /// `DebuginfoType` EXECUTABLE.
-pub const DEBUGINFO_TYPE_EXECUTABLE: i32 = 1;
+pub(crate) const DEBUGINFO_TYPE_EXECUTABLE: i32 = 1;
 /// `BuildIDType` GNU.
-pub const BUILD_ID_TYPE_GNU: i32 = 1;
+pub(crate) const BUILD_ID_TYPE_GNU: i32 = 1;
 /// `UploadInstructions.UploadStrategy`.
-pub const UPLOAD_STRATEGY_GRPC: i32 = 1;
+pub(crate) const UPLOAD_STRATEGY_GRPC: i32 = 1;
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct ShouldInitiateUploadRequest {
+pub(crate) struct ShouldInitiateUploadRequest {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(string, tag = "2")]
-    pub hash: String,
+    pub(crate) hash: String,
     #[prost(bool, tag = "3")]
-    pub force: bool,
+    pub(crate) force: bool,
     #[prost(int32, tag = "4")]
     pub r#type: i32,
     #[prost(int32, tag = "5")]
-    pub build_id_type: i32,
+    pub(crate) build_id_type: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct ShouldInitiateUploadResponse {
+pub(crate) struct ShouldInitiateUploadResponse {
     #[prost(bool, tag = "1")]
-    pub should_initiate_upload: bool,
+    pub(crate) should_initiate_upload: bool,
     #[prost(string, tag = "2")]
-    pub reason: String,
+    pub(crate) reason: String,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct InitiateUploadRequest {
+pub(crate) struct InitiateUploadRequest {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(int64, tag = "2")]
-    pub size: i64,
+    pub(crate) size: i64,
     #[prost(string, tag = "3")]
-    pub hash: String,
+    pub(crate) hash: String,
     #[prost(bool, tag = "4")]
-    pub force: bool,
+    pub(crate) force: bool,
     #[prost(int32, tag = "5")]
     pub r#type: i32,
     #[prost(int32, tag = "6")]
-    pub build_id_type: i32,
+    pub(crate) build_id_type: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct InitiateUploadResponse {
+pub(crate) struct InitiateUploadResponse {
     #[prost(message, optional, tag = "1")]
-    pub upload_instructions: Option<UploadInstructions>,
+    pub(crate) upload_instructions: Option<UploadInstructions>,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct UploadInstructions {
+pub(crate) struct UploadInstructions {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(string, tag = "2")]
-    pub upload_id: String,
+    pub(crate) upload_id: String,
     #[prost(int32, tag = "3")]
-    pub upload_strategy: i32,
+    pub(crate) upload_strategy: i32,
     #[prost(string, tag = "4")]
-    pub signed_url: String,
+    pub(crate) signed_url: String,
     #[prost(int32, tag = "5")]
     pub r#type: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct UploadRequest {
+pub(crate) struct UploadRequest {
     #[prost(oneof = "upload_request::Data", tags = "1, 2")]
-    pub data: Option<upload_request::Data>,
+    pub(crate) data: Option<upload_request::Data>,
 }
 
-pub mod upload_request {
+pub(crate) mod upload_request {
     use super::*;
 
     #[derive(Clone, PartialEq, Oneof)]
     #[prost(prost_path = "::prost14")]
-    pub enum Data {
+    pub(crate) enum Data {
         #[prost(message, tag = "1")]
         Info(UploadInfo),
         #[prost(bytes = "vec", tag = "2")]
@@ -165,35 +165,35 @@ pub mod upload_request {
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct UploadInfo {
+pub(crate) struct UploadInfo {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(string, tag = "2")]
-    pub upload_id: String,
+    pub(crate) upload_id: String,
     #[prost(int32, tag = "3")]
     pub r#type: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct UploadResponse {
+pub(crate) struct UploadResponse {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(uint64, tag = "2")]
-    pub size: u64,
+    pub(crate) size: u64,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct MarkUploadFinishedRequest {
+pub(crate) struct MarkUploadFinishedRequest {
     #[prost(string, tag = "1")]
-    pub build_id: String,
+    pub(crate) build_id: String,
     #[prost(string, tag = "2")]
-    pub upload_id: String,
+    pub(crate) upload_id: String,
     #[prost(int32, tag = "3")]
     pub r#type: i32,
 }
 
 #[derive(Clone, PartialEq, Message)]
 #[prost(prost_path = "::prost14")]
-pub struct MarkUploadFinishedResponse {}
+pub(crate) struct MarkUploadFinishedResponse {}

@@ -18,14 +18,14 @@ use crate::model::Round;
 use crate::model::StackSample;
 use tree::{freeze, remap, IdMap, Names, Tree};
 
-pub const PAGE: &str = include_str!("page.html");
-pub const SCRIPT: &str = include_str!("app.js");
-pub const STYLE: &str = include_str!("style.css");
+pub(crate) const PAGE: &str = include_str!("page.html");
+pub(crate) const SCRIPT: &str = include_str!("app.js");
+pub(crate) const STYLE: &str = include_str!("style.css");
 
 /// Windows the page offers, in minutes; anything else is refused.
-pub const WINDOWS: [u64; 4] = [1, 5, 15, 60];
+pub(crate) const WINDOWS: [u64; 4] = [1, 5, 15, 60];
 /// Labels the page filters by.
-pub const FILTERS: [&str; 6] = [
+pub(crate) const FILTERS: [&str; 6] = [
     "comm",
     "executable",
     "container_id",
@@ -56,10 +56,10 @@ pub enum ViewError {
 
 /// What the page asked for.
 pub struct Query {
-    pub minutes: u64,
-    pub filters: Vec<(String, String)>,
+    pub(crate) minutes: u64,
+    pub(crate) filters: Vec<(String, String)>,
     /// Group the CPU chart by `process` (default) or `container`.
-    pub by_container: bool,
+    pub(crate) by_container: bool,
 }
 
 impl Query {
@@ -92,56 +92,56 @@ impl Query {
 
 /// One node of the call tree: `[name index, samples, children]`.
 #[derive(Serialize)]
-pub struct Node(u32, u64, Vec<Node>);
+pub(crate) struct Node(u32, u64, Vec<Node>);
 
 #[derive(Serialize)]
-pub struct Function {
-    pub name: String,
-    pub flat: u64,
-    pub cum: u64,
+pub(crate) struct Function {
+    pub(crate) name: String,
+    pub(crate) flat: u64,
+    pub(crate) cum: u64,
 }
 
 #[derive(Serialize)]
-pub struct Series {
-    pub key: String,
+pub(crate) struct Series {
+    pub(crate) key: String,
     /// The filter a click on it applies.
-    pub filter: Option<(String, String)>,
+    pub(crate) filter: Option<(String, String)>,
     /// (round end, ms of CPU per second) per round of the window.
-    pub points: Vec<(u64, f64)>,
+    pub(crate) points: Vec<(u64, f64)>,
 }
 
 #[derive(Serialize)]
-pub struct Process {
-    pub pid: String,
-    pub comm: String,
-    pub executable: String,
-    pub container_id: String,
-    pub samples: u64,
+pub(crate) struct Process {
+    pub(crate) pid: String,
+    pub(crate) comm: String,
+    pub(crate) executable: String,
+    pub(crate) container_id: String,
+    pub(crate) samples: u64,
 }
 
 #[derive(Serialize)]
 pub struct View {
-    pub minutes: u64,
+    pub(crate) minutes: u64,
     /// The `node` label of the window's stacks.
-    pub node: String,
-    pub from_ns: u64,
-    pub to_ns: u64,
-    pub rounds: usize,
-    pub stacks: usize,
+    pub(crate) node: String,
+    pub(crate) from_ns: u64,
+    pub(crate) to_ns: u64,
+    pub(crate) rounds: usize,
+    pub(crate) stacks: usize,
     /// The window reaches back less than asked (the stack bound dropped older rounds).
-    pub shortened: bool,
-    pub total: u64,
-    pub period_ns: u64,
-    pub names: Vec<String>,
-    pub tree: Node,
+    pub(crate) shortened: bool,
+    pub(crate) total: u64,
+    pub(crate) period_ns: u64,
+    pub(crate) names: Vec<String>,
+    pub(crate) tree: Node,
     pub folded_nodes: u64,
     /// Stacks whose deepest frames were not placed: the tree reached its node bound.
     pub cut_short: u64,
-    pub top: Vec<Function>,
-    pub series: Vec<Series>,
-    pub processes: Vec<Process>,
+    pub(crate) top: Vec<Function>,
+    pub(crate) series: Vec<Series>,
+    pub(crate) processes: Vec<Process>,
     /// Filter name → its values in the window, busiest first.
-    pub choices: BTreeMap<String, Vec<(String, u64)>>,
+    pub(crate) choices: BTreeMap<String, Vec<(String, u64)>>,
 }
 
 /// A chart series being summed: the filter a click applies, samples per round end.
