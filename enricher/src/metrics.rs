@@ -193,6 +193,7 @@ sink_metrics! {
     documents_sent: "counter", "documents OpenSearch accepted (its _bulk answer, item by item)",
     documents_rejected: "counter", "documents OpenSearch refused for what they hold (mapping errors; dropped, not retried)",
     documents_retried: "counter", "documents OpenSearch asked to send again (429, 5xx items)",
+    answers_too_large: "counter", "backend answers over the byte bound (gRPC 1 MiB; OpenSearch 16 MiB or twice --opensearch-max-bytes), refused unread and retried",
     queue_requests: "gauge", "requests waiting in memory",
     queue_bytes: "gauge", "bytes waiting in memory",
     spool_requests: "gauge", "requests waiting in the on-disk spool",

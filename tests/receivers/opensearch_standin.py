@@ -13,7 +13,8 @@ these machines. It plays the documented HTTP API firn's sink uses and nothing mo
 - Basic auth: with --user/--password, a request without that Authorization header gets
   401 (and is counted).
 
-Faults on request: --bulk-429 N answers the first N _bulk calls with 429; --mixed
+Faults on request: --huge-answers N answers the first N _bulk calls with 1.5 GiB of
+JSON (a hostile or broken server: the client must read no more than its bound); --bulk-429 N answers the first N _bulk calls with 429; --mixed
 answers per item: a first try of some documents 429 (retried by the client), some stack
 documents 400 mapper_parsing_exception (dropped by the client), the rest 201.
 
@@ -178,6 +179,25 @@ class Handler(BaseHTTPRequestHandler):
                 self.reply(404, {"error": "stand-in: not played"})
             save()
 
+    def huge(self):
+        """1.5 GiB of an answer that never ends being valid JSON, until the client hangs up."""
+        size = 3 << 29
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(size))
+        self.end_headers()
+        chunk = b'{"items": [' + b'{"index": {"status": 201}},' * 37000
+        sent = 0
+        try:
+            while sent < size:
+                part = chunk[: size - sent]
+                self.wfile.write(part)
+                sent += len(part)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        with_lock = STATE["counts"]
+        with_lock["huge_bytes_sent"] = with_lock.get("huge_bytes_sent", 0) + sent
+
     def do_POST(self):
         with LOCK:
             body = self.body()
@@ -190,6 +210,10 @@ class Handler(BaseHTTPRequestHandler):
             c["bulk_calls"] += 1
             if self.headers.get("content-type") != "application/x-ndjson":
                 STATE["violations"].append(f"_bulk content-type {self.headers.get('content-type')}")
+            if c["bulk_calls"] <= ARGS.huge_answers:
+                c["huge_answers"] = c.get("huge_answers", 0) + 1
+                save()
+                return self.huge()
             if c["bulk_calls"] <= ARGS.bulk_429:
                 c["bulk_429"] += 1
                 self.reply(429, {"error": {"type": "es_rejected_execution_exception"}, "status": 429})
@@ -259,6 +283,7 @@ def main():
     p.add_argument("--user")
     p.add_argument("--password")
     p.add_argument("--bulk-429", type=int, default=0)
+    p.add_argument("--huge-answers", type=int, default=0)
     p.add_argument("--mixed", action="store_true")
     ARGS = p.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)

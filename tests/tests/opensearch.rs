@@ -404,3 +404,44 @@ fn sigterm_during_an_outage_loses_no_round() {
     assert_eq!(state["violations"], serde_json::json!([]));
     standin.stop();
 }
+
+/// A backend that answers 1.5 GiB (hostile, or something on a plain-http path): the
+/// enricher reads no more than its bound, counts it, retries, and stays small.
+#[test]
+fn a_huge_answer_is_refused_unread() {
+    if !can_run_bpf() {
+        return;
+    }
+    let rx = TempDir::new("os-huge");
+    let port = free_port();
+    let mut standin = start_opensearch_standin(
+        port,
+        rx.path(),
+        &["--user", "firn", "--password", PASSWORD, "--huge-answers", "2"],
+    );
+    let f = Firn::start_with("oshuge", FAST, |dir| sink_args(dir, port, PASSWORD));
+    let mut w = start_workload(&workload("busy"), &["6"]);
+    let pid = w.pid();
+    w.wait_exit(30 * SECS).expect("busy ends");
+    assert!(
+        wait_until(60 * SECS, || upload_metric(&f, "answers_too_large_total") >= 2.0),
+        "the huge answers were not refused and counted"
+    );
+    let local = local_rounds(&f.out, pid);
+    assert!(
+        wait_until(40 * SECS, || {
+            let remote = remote_rounds(&standin_state(rx.path()), pid);
+            !local.is_empty() && local.iter().all(|(k, n)| remote.get(k) == Some(n))
+        }),
+        "rounds were lost after the huge answers"
+    );
+    let epid = f.enricher.as_ref().unwrap().pid();
+    let hwm = status_kib(epid, "VmHWM").unwrap_or(u64::MAX);
+    let sent = standin_state(rx.path())["counts"]["huge_bytes_sent"]
+        .as_u64()
+        .unwrap_or(0);
+    eprintln!("huge answers: stand-in wrote {} MiB; enricher peak {} MiB", sent >> 20, hwm >> 10);
+    assert!(hwm < 96 * 1024, "enricher peak RSS {hwm} KiB after 1.5 GiB answers");
+    assert!(sent < 512 << 20, "the enricher read {sent} bytes of the answers");
+    standin.stop();
+}

@@ -49,6 +49,8 @@ pub(crate) fn channel(
         .connect_timeout(Duration::from_secs(5))
         .timeout(timeout)
         .tcp_keepalive(Some(Duration::from_secs(60)))
+        // A backend's headers are small; a hostile one's must not grow the enricher.
+        .http2_max_header_list_size(64 << 10)
         .user_agent(concat!("firn-enricher/", env!("CARGO_PKG_VERSION")))
         .map_err(|e| bad(e.to_string()))?;
     if tls {
@@ -184,7 +186,7 @@ pub(crate) async fn unary<R: prost14::Message + Default + Send + 'static>(
     )],
     gzip: bool,
 ) -> Result<R, Status> {
-    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut grpc = tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES);
     if gzip {
         grpc = grpc.send_compressed(tonic::codec::CompressionEncoding::Gzip);
     }
@@ -199,6 +201,28 @@ pub(crate) async fn unary<R: prost14::Message + Default + Send + 'static>(
     grpc.unary(req, path, RawCodec::<R>::default())
         .await
         .map(|r| r.into_inner())
+        .map_err(|s| {
+            // tonic refuses an answer over the bound as OUT_OF_RANGE, which would read
+            // as the request's fault; it is the backend's (or whoever sits on the way),
+            // so it is retried like an overloaded backend.
+            if s.code() == Code::OutOfRange && s.message().contains("too large") {
+                Status::resource_exhausted(format!("{TOO_LARGE}: {}", s.message()))
+            } else {
+                s
+            }
+        })
+}
+
+/// Bytes of one gRPC answer at most: the backends answer a few bytes (an id, a partial
+/// success); more is refused unread.
+pub(crate) const MAX_ANSWER_BYTES: usize = 1 << 20;
+const TOO_LARGE: &str = "the backend's answer is over the byte bound";
+
+/// Counts an answer refused for its size (once per failed call).
+pub(crate) fn count_too_large(s: &Status, m: &crate::metrics::SinkMetrics) {
+    if s.message().starts_with(TOO_LARGE) {
+        crate::metrics::SinkMetrics::inc(&m.answers_too_large);
+    }
 }
 
 #[cfg(test)]

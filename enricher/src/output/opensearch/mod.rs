@@ -72,8 +72,11 @@ pub(super) fn start(
     )?;
     let sink = Arc::new(SinkMetrics::new("opensearch"));
     let prefix = s.opensearch_index_prefix.clone();
+    // A `_bulk` answer is about the size of its request's action lines.
+    let max_answer = (16usize << 20).max(2 * usize::try_from(s.opensearch_max_bytes).unwrap_or(0));
     let transport = OpenSearchTransport::new(
         client,
+        max_answer,
         &prefix,
         credentials.clone(),
         sink.clone(),
@@ -267,6 +270,8 @@ struct OpenSearchTransport {
     metrics: Arc<SinkMetrics>,
     global: Arc<Metrics>,
     template_ok: Cell<bool>,
+    /// Bytes of one answer at most.
+    max_answer: usize,
     /// The credentials generation OpenSearch refused (401/403): nothing is sent with it
     /// again, so a wrong password is not tried in a loop.
     refused_generation: Cell<Option<u64>>,
@@ -333,6 +338,7 @@ impl OpenSearchTransport {
     /// `base` as [`client`] returns it.
     fn new(
         (client, base): (HttpsClient, String),
+        max_answer: usize,
         prefix: &str,
         credentials: Rc<Credentials>,
         metrics: Arc<SinkMetrics>,
@@ -347,6 +353,7 @@ impl OpenSearchTransport {
             metrics,
             global,
             template_ok: Cell::new(false),
+            max_answer,
             refused_generation: Cell::new(None),
         })
     }
@@ -378,11 +385,20 @@ impl OpenSearchTransport {
             .await
             .map_err(|e| SendError::Retry(format!("OpenSearch unreachable: {e}")))?;
         let status = resp.status();
-        let body = resp
-            .into_body()
+        let body = http_body_util::Limited::new(resp.into_body(), self.max_answer)
             .collect()
             .await
-            .map_err(|e| SendError::Retry(format!("reading OpenSearch's answer: {e}")))?
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    SinkMetrics::inc(&self.metrics.answers_too_large);
+                    SendError::Retry(format!(
+                        "OpenSearch's answer is over {} bytes: refused unread",
+                        self.max_answer
+                    ))
+                } else {
+                    SendError::Retry(format!("reading OpenSearch's answer: {e}"))
+                }
+            })?
             .to_bytes();
         if status == StatusCode::UNAUTHORIZED || status == StatusCode::FORBIDDEN {
             self.refused_generation

@@ -181,7 +181,10 @@ impl Transport for OtlpTransport {
             let r: ExportProfilesServiceResponse =
                 grpc::unary(channel, EXPORT, body, &headers, gzip)
                     .await
-                    .map_err(|s| grpc::classify(&s))?;
+                    .map_err(|s| {
+                        grpc::count_too_large(&s, &metrics);
+                        grpc::classify(&s)
+                    })?;
             if let Some(p) = r.partial_success {
                 if p.rejected_profiles > 0 || !p.error_message.is_empty() {
                     SinkMetrics::add(

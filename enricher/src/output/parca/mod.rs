@@ -51,11 +51,12 @@ pub(super) fn start(
     let channel = grpc::channel(&url, s.parca_ca_file.as_deref(), s.upload_timeout)
         .map_err(OutputError::Parca)?;
     let token = Token::new(s.parca_bearer_token_file.as_deref())?;
+    let sink = Arc::new(SinkMetrics::new("parca"));
     let transport = ParcaTransport {
         channel: channel.clone(),
         token: token.clone(),
+        metrics: sink.clone(),
     };
-    let sink = Arc::new(SinkMetrics::new("parca"));
     let delivery = Delivery::start("parca", s, metrics, sink, Rc::new(transport));
     let debuginfo = (s.debuginfo_upload != DebuginfoMode::Off).then(|| {
         debuginfo::Debuginfo::new(
@@ -276,18 +277,23 @@ impl Token {
 struct ParcaTransport {
     channel: Channel,
     token: Rc<Token>,
+    metrics: Arc<SinkMetrics>,
 }
 
 impl Transport for ParcaTransport {
     fn send(&self, body: Arc<Vec<u8>>) -> Pin<Box<dyn Future<Output = Result<(), SendError>>>> {
         let channel = self.channel.clone();
         let headers = self.token.headers();
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             // The profiles inside are gzip already.
             grpc::unary::<WriteRawResponse>(channel, WRITE_RAW, body, &headers, false)
                 .await
                 .map(|_| ())
-                .map_err(|s| grpc::classify(&s))
+                .map_err(|s| {
+                    grpc::count_too_large(&s, &metrics);
+                    grpc::classify(&s)
+                })
         })
     }
 }
