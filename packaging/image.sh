@@ -59,25 +59,28 @@ if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
 else
     echo "image.sh: no /etc/ssl/certs/ca-certificates.crt (apt-get install ca-certificates); https upload will need --otlp-ca-file/--parca-ca-file" >&2
 fi
-# The enricher runs as 65532; the sampler becomes 65533 after setup (--user).
+# The enricher runs as 65524, a uid of its own: not 65532 (distroless' and
+# Chainguard's `nonroot`, which other pods run as; with hostPID a shared uid passes the
+# kernel's ptrace checks for their /proc entries), in systemd's unallocated 65520-65533,
+# outside the dynamic-user range. The sampler becomes 65533 after setup (--user).
 cat >"$root/etc/passwd" <<'EOF'
 root:x:0:0:root:/:/sbin/nologin
-firn:x:65532:65532:firn enricher:/var/lib/firn:/sbin/nologin
+firn:x:65524:65524:firn enricher:/var/lib/firn:/sbin/nologin
 firn-sampler:x:65533:65533:firn sampler after setup:/:/sbin/nologin
 EOF
 cat >"$root/etc/group" <<'EOF'
 root:x:0:
-firn:x:65532:
+firn:x:65524:
 firn-sampler:x:65533:
 EOF
-chown 65532:65532 "$root/var/lib/firn"
+chown 65524:65524 "$root/var/lib/firn"
 
 revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 ctr=$(buildah from scratch)
 trap 'buildah rm "$ctr" >/dev/null 2>&1 || true; rm -rf "$root"' EXIT
 buildah copy --quiet "$ctr" "$root" / >/dev/null
 buildah config \
-    --user 65532:65532 \
+    --user 65524:65524 \
     --workingdir /var/lib/firn \
     --cmd /usr/local/bin/firn-enricher \
     --env FIRN_OUTPUT_DIR=/var/lib/firn/profiles \

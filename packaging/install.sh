@@ -76,7 +76,8 @@ if [ "$start" -eq 1 ] && [ "$(ps -p 1 -o comm= 2>/dev/null)" = systemd ]; then
     systemctl daemon-reload
     systemctl enable --now firn-sampler.socket firn-enricher.service
     did "enabled and started firn-sampler.socket, firn-enricher.service"
-    echo "profiles: /var/lib/firn/profiles; web view: http://127.0.0.1:7071/ ;" \
+    echo "profiles: /var/lib/firn/profiles; web view:" \
+        "http://127.0.0.1:7071/?token=\$(sudo cat /var/lib/firn/profiles/.http-token) ;" \
         "logs: journalctl -u firn-sampler -u firn-enricher"
 elif [ "$start" -eq 1 ]; then
     echo "systemd is not PID 1 here: nothing enabled. On a systemd host:" \

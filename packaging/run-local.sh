@@ -68,12 +68,22 @@ http=${FIRN_HTTP_ADDRESS:-127.0.0.1:7071}
 setpriv --reuid="$uid" --regid="$gid" --clear-groups --inh-caps=-all \
     "$bin/firn-enricher" --socket "$socket" --output-dir "$state/profiles" --http-address "$http" &
 enricher=$!
+# The HTTP token the enricher creates (its user's, 0600): every endpoint but /healthz
+# wants it, so that no other local user reads the profiles.
+token_file="$state/profiles/.http-token"
+for _ in $(seq 100); do
+    [ -s "$token_file" ] && break
+    kill -0 "$enricher" 2>/dev/null || { echo "the enricher failed to start" >&2; exit 1; }
+    sleep 0.1
+done
+token=$(cat "$token_file" 2>/dev/null || true)
 cat <<MSG
 firn is running: sampler pid $sampler (user $sampler_user, CAP_SYS_PTRACE + seccomp),
 enricher pid $enricher (user $user, no capabilities).
   profiles:  $state/profiles/<UTC time>-r<round>/pid-<pid>.pb.gz (index.jsonl lists labels)
-  web view:  http://$http/profiles   metrics: http://$http/metrics
-  whole host, last minute:  go tool pprof -http=: 'http://$http/pprof/cpu?seconds=60'
+  web view:  http://$http/?token=$token
+  metrics:   curl -H "Authorization: Bearer \$(sudo cat $token_file)" http://$http/metrics
+  whole host, last minute:  go tool pprof -http=: 'http://$http/pprof/cpu?seconds=60&token=$token'
 Ctrl-C stops both.
 MSG
 wait -n "$sampler" "$enricher" || true

@@ -4,6 +4,7 @@
 mod batch;
 mod broker;
 mod client;
+mod confine;
 mod credentials;
 mod enrich;
 mod labels;
@@ -18,7 +19,7 @@ mod summary;
 mod symbolize;
 mod unwind;
 
-pub use run::main;
+pub use run::{confine_as_enricher, main};
 
 // What the benchmarks, fuzz targets and tests drive.
 pub use batch::decode as decode_batch;

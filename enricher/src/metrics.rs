@@ -24,6 +24,8 @@ macro_rules! metrics {
             pub(crate) symbol_bytes_held: AtomicU64,
             /// Named frames in the symbolizer's frame cache (gauge).
             pub(crate) symbol_frames_cached: AtomicU64,
+            /// The Landlock ABI of the enricher's confinement (gauge; 0: none).
+            pub(crate) landlock_abi: AtomicU64,
             /// Delivery counters of the upload sinks (OTLP, Parca).
             pub(crate) sinks: Mutex<Vec<std::sync::Arc<SinkMetrics>>>,
         }
@@ -48,6 +50,7 @@ macro_rules! metrics {
                     ("kubernetes_pods", "Pods of this node known from the Kubernetes API.", &self.kubernetes_pods),
                     ("symbol_bytes_held", "Bytes of symbol tables and DWARF whose parse the symbolizer holds (bounded by --symbol-budget).", &self.symbol_bytes_held),
                     ("symbol_frames_cached", "Named frames in the frame cache (bounded by --symbol-frames).", &self.symbol_frames_cached),
+                    ("landlock_abi", "The Landlock ABI the enricher confined itself with (0: none, or --unconfined).", &self.landlock_abi),
                 ] {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
                     let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
@@ -109,6 +112,12 @@ metrics! {
     sink_disk_full: "rounds skipped because the output disk was nearly full",
     sink_retention_removed: "round folders removed by retention",
     http_requests: "HTTP requests served",
+    http_refused_host: "HTTP requests refused for naming another Host (421: DNS rebinding)",
+    http_refused_origin: "HTTP requests refused for coming from another site (403)",
+    http_refused_token: "HTTP requests refused without the token (401)",
+    http_connections_refused: "HTTP connections closed at accept: --http-max-connections reached",
+    http_busy: "costly HTTP queries refused after waiting for their turn (503)",
+    confinement_missing: "protections of the enricher's own confinement not in force (kernel lacks them, or --unconfined; logged at start)",
     window_rounds_evicted: "rounds dropped from the /pprof/cpu window early to bound memory",
     config_reloads: "config files reloaded on SIGHUP",
     kubernetes_watch_errors: "Kubernetes pod watch errors (the watch resumes with backoff)",

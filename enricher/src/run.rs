@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::output::{http, Outputs};
 use crate::settings::file::Labeling;
 use crate::settings::{self, Settings};
-use crate::{summary, symbolize};
+use crate::{confine, summary, symbolize};
 
 impl crate::output::BinaryFiles for symbolize::Symbolizer {
     fn file_of(&self, build_id: &[u8]) -> Option<std::fs::File> {
@@ -34,6 +34,11 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if settings.healthcheck {
+        return healthcheck(settings.http_address);
+    }
+    // What the enricher writes (profiles, the spool, the token) is not for other users.
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o027));
     if let Err(e) = firn_logs::init(&settings.log) {
         eprintln!("firn-enricher: {e}");
         return ExitCode::from(2);
@@ -56,6 +61,10 @@ pub fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     raise_fd_limit();
+    let confinement = match confine(&settings) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -67,7 +76,54 @@ pub fn main() -> ExitCode {
         }
     };
     let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, run(settings, labeling))
+    local.block_on(&rt, run(settings, labeling, confinement))
+}
+
+/// Test-only entry (the confined probe of tests/src/bin): confines the calling process
+/// exactly as `firn-enricher` with `args` would confine itself.
+pub fn confine_as_enricher(args: Vec<std::ffi::OsString>) -> Result<(), String> {
+    let (settings, _) = settings::file::settings(args).map_err(|e| e.to_string())?;
+    confine(&settings)
+        .map(|_| ())
+        .map_err(|code| format!("confinement failed ({code:?})"))
+}
+
+/// Confines the process (confine.rs) while it is one thread: before the event loop.
+/// The HTTP token is made first, since its file may lie outside the writable folders.
+fn confine(s: &Settings) -> Result<confine::Report, ExitCode> {
+    if s.unconfined {
+        tracing::warn!(
+            "--unconfined: the enricher runs without its Landlock and seccomp confinement"
+        );
+        return Ok(confine::Report {
+            landlock_abi: 0,
+            missing: vec!["--unconfined"],
+        });
+    }
+    if !s.dump && s.http_auth == settings::HttpAuth::Token {
+        if let Err(e) = http::ensure_token(s) {
+            tracing::error!("{e}");
+            return Err(ExitCode::from(2));
+        }
+    }
+    if s.http_self_profile && !s.dump {
+        // The self-profiler writes a temporary file: keep it in a folder of ours, not
+        // in /tmp, which stays closed to writes.
+        let tmp = s.output_dir.join(".tmp");
+        if let Err(e) = std::fs::create_dir_all(&tmp) {
+            tracing::error!(path = %tmp.display(), error = %e, "creating the self-profile's temporary folder");
+            return Err(ExitCode::from(2));
+        }
+        // SAFETY: the process is one thread here (confine::apply checks it next), so
+        // nothing reads the environment meanwhile.
+        unsafe { std::env::set_var("TMPDIR", &tmp) };
+    }
+    confine::apply(&confine::Plan::from_settings(s)).map_err(|e| {
+        tracing::error!(
+            "{e} (--unconfined runs without confinement, for a kernel or setup it breaks)"
+        );
+        ExitCode::from(2)
+    })
 }
 
 /// Each cached binary holds an fd: take the hard limit as the soft one.
@@ -84,8 +140,15 @@ struct Pipeline {
     outputs: Outputs,
 }
 
-async fn run(s: Settings, labeling: Labeling) -> ExitCode {
+async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> ExitCode {
     let metrics = Arc::new(Metrics::default());
+    metrics
+        .landlock_abi
+        .store(confinement.landlock_abi, Ordering::Relaxed);
+    Metrics::add(
+        &metrics.confinement_missing,
+        confinement.missing.len() as u64,
+    );
     let (tx, mut rx) = mpsc::channel(4);
     let mut client = tokio::task::spawn_local(client::run(
         s.socket.clone(),
@@ -104,7 +167,7 @@ async fn run(s: Settings, labeling: Labeling) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let http = http::Shared::new(metrics.clone(), s.output_dir.clone());
+    let http = http::Shared::new(metrics.clone(), s.output_dir.clone(), s.http_self_profile);
     let mut pipeline = if s.dump {
         None
     } else {
@@ -116,6 +179,12 @@ async fn run(s: Settings, labeling: Labeling) -> ExitCode {
     let mut broker: Option<Rc<Broker>> = None;
     // The sampler counts drops per subscription, cumulatively; this is the last count.
     let mut session_dropped = 0u64;
+    // The confinement allows writes beneath the output directory it started with; one
+    // removed and made again is another directory, out of reach until a restart.
+    let confined_dir = (!s.unconfined)
+        .then(|| dir_identity(&s.output_dir))
+        .flatten();
+    let mut exit = ExitCode::SUCCESS;
     loop {
         let ev = tokio::select! {
             ev = rx.recv() => match ev {
@@ -158,7 +227,21 @@ async fn run(s: Settings, labeling: Labeling) -> ExitCode {
                 }
                 let end_ns = batch.end_time_ns;
                 let round = p.enricher.handle(batch, broker.as_deref()).await;
+                let errors = metrics.sink_errors.load(Ordering::Relaxed);
                 p.outputs.round(round, &p.enricher.symbolizer);
+                if metrics.sink_errors.load(Ordering::Relaxed) > errors
+                    && confined_dir
+                        .is_some_and(|id| dir_identity(&s.output_dir).is_some_and(|now| now != id))
+                {
+                    tracing::error!(
+                        output_dir = %s.output_dir.display(),
+                        "the output directory was removed and made again: the confinement \
+                         allows writes only beneath the one the enricher started with; \
+                         exiting with 75 so that the supervisor restarts it"
+                    );
+                    exit = ExitCode::from(75);
+                    break;
+                }
                 let lag = firn_schema::now_ns().saturating_sub(end_ns);
                 metrics
                     .round_lag_ms
@@ -175,7 +258,13 @@ async fn run(s: Settings, labeling: Labeling) -> ExitCode {
     if let Some(p) = pipeline.as_mut() {
         p.outputs.shutdown(std::time::Duration::from_secs(5)).await;
     }
-    ExitCode::SUCCESS
+    exit
+}
+
+/// (device, inode) of a directory.
+fn dir_identity(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// The HTTP server, the enricher and every output.
@@ -185,24 +274,31 @@ async fn start(
     metrics: &Arc<Metrics>,
     http: &Arc<http::Shared>,
 ) -> Result<Pipeline, ExitCode> {
+    let access = http::Access::new(s, metrics.clone()).map_err(|e| {
+        tracing::error!("{e}");
+        ExitCode::from(2)
+    })?;
     match tokio::net::TcpListener::bind(s.http_address).await {
         Ok(listener) => {
-            let app = http::router(http.clone());
-            tokio::spawn(async move {
-                if let Err(e) = axum::serve(listener, app).await {
-                    tracing::error!(error = %e, "HTTP server stopped");
-                }
-            });
+            let app = http::router(http.clone(), access.clone());
+            tokio::spawn(http::serve(
+                listener,
+                app,
+                s.http_max_connections as usize,
+                metrics.clone(),
+            ));
         }
         Err(e) => {
             tracing::error!(address = %s.http_address, error = %e, "cannot serve HTTP (use --http-address)");
             return Err(ExitCode::FAILURE);
         }
     }
+    let token_file = http::token_path(s);
     tracing::info!(
         output_dir = %s.output_dir.display(),
-        http = %format!("http://{}/", s.http_address),
-        "writing profiles"
+        http = %http::view_url(s.http_address, None),
+        token = %if access.token().is_some() { token_file.display().to_string() } else { "none (--http-auth none)".into() },
+        "writing profiles; the web view opens with ?token=<the token in that file>"
     );
     let limits = symbolize::Limits {
         binaries: s.symbol_cache as usize,
@@ -225,6 +321,36 @@ async fn start(
         ExitCode::from(2)
     })?;
     Ok(Pipeline { enricher, outputs })
+}
+
+/// `--healthcheck`: 0 when /healthz of the local server answers 200.
+fn healthcheck(address: std::net::SocketAddr) -> ExitCode {
+    use std::io::{Read, Write};
+    let target = if address.ip().is_unspecified() {
+        std::net::SocketAddr::from(([127, 0, 0, 1], address.port()))
+    } else {
+        address
+    };
+    let ask = || -> std::io::Result<bool> {
+        let t = std::time::Duration::from_secs(5);
+        let mut s = std::net::TcpStream::connect_timeout(&target, t)?;
+        s.set_read_timeout(Some(t))?;
+        write!(
+            s,
+            "GET /healthz HTTP/1.1\r\nHost: {target}\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head)?;
+        Ok(head.starts_with(b"HTTP/1.1 200"))
+    };
+    match ask() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("firn-enricher --healthcheck: {target}: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 fn fatal(res: Result<client::ClientError, tokio::task::JoinError>) -> ExitCode {

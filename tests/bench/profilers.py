@@ -120,7 +120,7 @@ class Firn:
     def __init__(self, rnd):
         self.rnd = rnd
 
-    def start(self, hz, enricher_extra=()):
+    def start(self, hz, enricher_extra=(), sampler_binary=None):
         self.tmp = tempfile.mkdtemp(prefix="firn-bench-")
         os.chmod(self.tmp, 0o755)
         # How to start firn comes from the tests' own definition (firn-plan), which also
@@ -130,6 +130,8 @@ class Firn:
              "--frequency", str(hz), "--round", str(self.rnd)],
             capture_output=True, text=True, check=True).stdout)
         plan = got["plan"]
+        if sampler_binary:  # another build of the sampler (sampler_ab.py)
+            plan["sampler"][0] = str(sampler_binary)
         self.out = plan["out"]
         self.t0 = time.time()
         env = dict(os.environ, FIRN_LOG="info")
@@ -148,7 +150,9 @@ class Firn:
 
     def metrics(self):
         try:
-            with urllib.request.urlopen(f"http://{HTTP}/metrics", timeout=5) as r:
+            token = open(os.path.join(self.out, ".http-token")).read().strip()
+            req = urllib.request.Request(f"http://{HTTP}/metrics", headers={"Authorization": "Bearer " + token})
+            with urllib.request.urlopen(req, timeout=5) as r:
                 return bl.parse_prometheus(r.read().decode())
         except OSError:
             return {}

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::{bin, http_get, index_entries, test_user, Proc, TempDir};
+use crate::{bin, index_entries, test_user, Proc, TempDir};
 
 /// Starts the sampler on `socket` with extra flags; waits until it has confined itself.
 pub fn start_sampler(binary: &Path, socket: &Path, extra: &[&str]) -> Proc {
@@ -190,6 +190,7 @@ pub struct Firn {
     pub user: (u32, u32),
     pub http: String,
     plan: Plan,
+    token: std::sync::Mutex<String>,
 }
 
 static NEXT_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(0);
@@ -240,6 +241,7 @@ impl Firn {
             enricher: None,
             http: String::new(),
             plan,
+            token: Default::default(),
         }
     }
 
@@ -290,8 +292,29 @@ impl Firn {
         }
     }
 
+    /// A GET with the enricher's HTTP token.
     pub fn get(&self, path: &str) -> (u16, Vec<u8>) {
-        http_get(&self.http, path)
+        crate::http_get_with(
+            &self.http,
+            path,
+            &[format!("Authorization: Bearer {}", self.token())],
+        )
+    }
+
+    /// The token the enricher created under its output directory (the last one read,
+    /// while the directory is gone).
+    pub fn token(&self) -> String {
+        let mut known = self.token.lock().unwrap_or_else(|e| e.into_inner());
+        if let Ok(t) = std::fs::read_to_string(self.out.join(".http-token")) {
+            *known = t.trim().to_string();
+        }
+        known.clone()
+    }
+
+    /// A URL of the enricher's that carries the token (for `go tool pprof`, a browser).
+    pub fn url(&self, path: &str) -> String {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        format!("http://{}{path}{sep}token={}", self.http, self.token())
     }
 
     pub fn metric(&self, name: &str) -> Option<f64> {

@@ -64,21 +64,42 @@ pub fn strs(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
-/// A minimal HTTP/1.1 GET on loopback: (status, body).
+/// A minimal HTTP/1.1 GET on loopback without credentials: (status, body).
 pub fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
+    http_get_with(addr, path, &[])
+}
+
+/// [`http_get`] with extra header lines (`Name: value`); a `Host:` among them replaces
+/// the address.
+pub fn http_get_with(addr: &str, path: &str, headers: &[String]) -> (u16, Vec<u8>) {
+    let (status, _, body) = http_request(addr, path, headers);
+    (status, body)
+}
+
+/// A GET: (status, response head, body).
+pub fn http_request(addr: &str, path: &str, headers: &[String]) -> (u16, String, Vec<u8>) {
     use std::io::{Read, Write};
     let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return (0, Vec::new());
+        return (0, String::new(), Vec::new());
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
+    let host = if headers
+        .iter()
+        .any(|h| h.to_ascii_lowercase().starts_with("host:"))
+    {
+        String::new()
+    } else {
+        format!("Host: {addr}\r\n")
+    };
+    let extra: String = headers.iter().map(|h| format!("{h}\r\n")).collect();
     let _ = write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\n{host}{extra}Connection: close\r\n\r\n"
     );
     let mut buf = Vec::new();
     let _ = s.read_to_end(&mut buf);
     let Some(split) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-        return (0, buf);
+        return (0, String::new(), buf);
     };
     let head = String::from_utf8_lossy(&buf[..split]).to_string();
     let status = head
@@ -93,7 +114,7 @@ pub fn http_get(addr: &str, path: &str) -> (u16, Vec<u8>) {
     {
         body = dechunk(&body);
     }
-    (status, body)
+    (status, head, body)
 }
 
 fn dechunk(mut b: &[u8]) -> Vec<u8> {

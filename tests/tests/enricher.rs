@@ -94,16 +94,13 @@ fn workload_traces_http_and_privileges() {
     assert_eq!(f.get("/pprof/cpu?seconds=0").0, 400);
     // As the README says to use it: pprof fetches the URL itself and asks /symbolz to
     // name what firn left as addresses (a 404 there made it exit 1).
-    let url = format!("http://{}/pprof/cpu?seconds=60", f.http);
+    let url = f.url("/pprof/cpu?seconds=60");
     let top = go_pprof(&["-top", &url], &[]);
     assert!(top.contains("hot_leaf"), "{top}");
     let (code, body) = f.get("/symbolz");
     assert_eq!((code, body.as_slice()), (200, &b"num_symbols: 0\n"[..]));
-    let (code, gz) = f.get("/debug/pprof/profile?seconds=1");
-    assert_eq!(code, 200);
-    let own = f.dir.path().join("own.pb.gz");
-    std::fs::write(&own, gz).unwrap();
-    go_pprof(&["-top"], &[own]);
+    // The enricher's own profile is off unless --http-self-profile (tests/tests/http.rs).
+    assert_eq!(f.get("/debug/pprof/profile?seconds=1").0, 404);
 }
 
 #[test]

@@ -53,7 +53,9 @@ fn output_directory_read_only_then_removed() {
         "writing did not resume"
     );
 
-    // Removed: counted; recreated: resumes, and no partial round is left behind.
+    // Removed: counted; recreated: the enricher exits 75 (its confinement holds the old
+    // directory) for its supervisor to restart it, then resumes, leaving no partial
+    // round behind.
     std::fs::remove_dir_all(&f.out).unwrap();
     let e1 = f.metric(errors).unwrap_or(0.0);
     assert!(
@@ -71,9 +73,22 @@ fn output_directory_read_only_then_removed() {
         Some(nix::unistd::Gid::from_raw(f.user.1)),
     )
     .unwrap();
-    let w1 = f.metric(written).unwrap_or(0.0);
+    let e = f.enricher.as_mut().unwrap();
+    let status = e.wait_exit(20 * SECS);
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(75),
+        "the enricher did not ask for a restart: {:#?}",
+        e.lines()
+    );
+    assert!(e
+        .lines()
+        .iter()
+        .any(|l| l.contains("removed and made again")));
+    // What systemd (Restart=on-failure) or the kubelet does.
+    f.start_enricher(&[]);
     assert!(
-        metric_grows(&f, written, w1, 10 * SECS),
+        metric_grows(&f, written, 0.0, 10 * SECS),
         "writing did not resume in the new directory"
     );
     assert!(!f.wait_profiles(w.pid(), 1, 10 * SECS).is_empty());

@@ -179,7 +179,12 @@ fn flags_win_and_sighup_keeps_a_good_config() {
     std::fs::write(&cfg, "external_labels: {cluster: b}\n").unwrap();
     p.signal(nix::sys::signal::Signal::SIGHUP);
     assert!(p.wait_for("config reloaded", 10 * SECS).is_some());
-    let (_, m) = http_get("127.0.0.1:17650", "/metrics");
+    let token = std::fs::read_to_string(from_flag.join(".http-token")).unwrap_or_default();
+    let (_, m) = http_get_with(
+        "127.0.0.1:17650",
+        "/metrics",
+        &[format!("Authorization: Bearer {}", token.trim())],
+    );
     let m = String::from_utf8_lossy(&m);
     assert!(
         m.contains("firn_enricher_config_reload_errors_total 1"),

@@ -417,14 +417,22 @@ fn a_huge_answer_is_refused_unread() {
     let mut standin = start_opensearch_standin(
         port,
         rx.path(),
-        &["--user", "firn", "--password", PASSWORD, "--huge-answers", "2"],
+        &[
+            "--user",
+            "firn",
+            "--password",
+            PASSWORD,
+            "--huge-answers",
+            "2",
+        ],
     );
     let f = Firn::start_with("oshuge", FAST, |dir| sink_args(dir, port, PASSWORD));
     let mut w = start_workload(&workload("busy"), &["6"]);
     let pid = w.pid();
     w.wait_exit(30 * SECS).expect("busy ends");
     assert!(
-        wait_until(60 * SECS, || upload_metric(&f, "answers_too_large_total") >= 2.0),
+        wait_until(60 * SECS, || upload_metric(&f, "answers_too_large_total")
+            >= 2.0),
         "the huge answers were not refused and counted"
     );
     let local = local_rounds(&f.out, pid);
@@ -440,8 +448,18 @@ fn a_huge_answer_is_refused_unread() {
     let sent = standin_state(rx.path())["counts"]["huge_bytes_sent"]
         .as_u64()
         .unwrap_or(0);
-    eprintln!("huge answers: stand-in wrote {} MiB; enricher peak {} MiB", sent >> 20, hwm >> 10);
-    assert!(hwm < 96 * 1024, "enricher peak RSS {hwm} KiB after 1.5 GiB answers");
-    assert!(sent < 512 << 20, "the enricher read {sent} bytes of the answers");
+    eprintln!(
+        "huge answers: stand-in wrote {} MiB; enricher peak {} MiB",
+        sent >> 20,
+        hwm >> 10
+    );
+    assert!(
+        hwm < 96 * 1024,
+        "enricher peak RSS {hwm} KiB after 1.5 GiB answers"
+    );
+    assert!(
+        sent < 512 << 20,
+        "the enricher read {sent} bytes of the answers"
+    );
     standin.stop();
 }

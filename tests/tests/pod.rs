@@ -39,7 +39,10 @@ fn stdout(out: &Output) -> String {
 struct Spec {
     command: Vec<String>,
     args: Vec<String>,
+    uid: u32,
     user: String,
+    /// The startup probe's command (the enricher's: a check of its loopback listener).
+    probe: Vec<String>,
     caps_add: Vec<String>,
     memory_limit: String,
     read_only: bool,
@@ -88,7 +91,9 @@ fn spec(pod: &serde_yaml::Value, list: &str, name: &str) -> Spec {
     Spec {
         command: strings(&c["command"]),
         args: strings(&c["args"]),
+        uid: uid as u32,
         user: format!("{uid}:{gid}"),
+        probe: strings(&c["startupProbe"]["exec"]["command"]),
         caps_add: strings(&sc["capabilities"]["add"]),
         memory_limit: c["resources"]["limits"]["memory"]
             .as_str()
@@ -249,7 +254,7 @@ fn the_pod_profiles_a_container_under_podman() {
     }
     // The emptyDirs: the socket's (the sampler makes the socket with the enricher's group)
     // and the enricher's data, owned by its uid as fsGroup would make it.
-    std::os::unix::fs::chown(&data, Some(65532), Some(65532)).unwrap();
+    std::os::unix::fs::chown(&data, Some(enricher.uid), Some(enricher.uid)).unwrap();
     let vol = |host: &Path, at: &str| format!("{}:{at}", host.display());
     let mut init_cmd: Vec<String> = vec![
         "run".into(),
@@ -344,6 +349,9 @@ fn the_pod_profiles_a_container_under_podman() {
             vol(&run_dir, "/run/firn"),
             "-v".into(),
             vol(&data, "/var/lib/firn"),
+            // Test-only: the confined probe, to run inside this container (below).
+            "-v".into(),
+            format!("{}:{PROBE}:ro", bin("firn-confined-probe").display()),
             "-e".into(),
             "FIRN_NODE=pod-test-node".into(),
         ],
@@ -377,17 +385,50 @@ fn the_pod_profiles_a_container_under_podman() {
         .all(|u| u == "65533"));
     let ep = pid_of(&enricher_id);
     assert_eq!(status_field(ep, "CapEff").unwrap(), "0000000000000000");
+    let enricher_uid = e.uid.to_string();
+    assert_ne!(
+        enricher_uid, "65532",
+        "the nonroot uid of distroless images is not ours"
+    );
     assert!(status_field(ep, "Uid")
         .unwrap()
         .split_whitespace()
-        .all(|u| u == "65532"));
+        .all(|u| u == enricher_uid));
+    assert_eq!(
+        status_field(ep, "Seccomp_filters").unwrap(),
+        "2",
+        "runtime's and its own"
+    );
+    // The kubelet's probe, as the manifest gives it: run inside the enricher's
+    // container, against its loopback listener.
+    assert!(
+        !e.probe.is_empty(),
+        "the enricher has an exec startup probe"
+    );
+    let mut exec: Vec<&str> = vec!["exec", &enricher_id];
+    exec.extend(e.probe.iter().map(String::as_str));
+    run(&conf, "podman", &exec);
 
     let work = format!("{name}-work");
     clean.names.push(work.clone());
     let work_id = stdout(&run(
         &conf,
         "podman",
-        &["run", "-d", "--name", &work, work_image, "/bin/busy", "12"],
+        // Another pod's process under the enricher's uid, a secret in its environment:
+        // what hostPID would hand a taken-over enricher but for its confinement.
+        &[
+            "run",
+            "-d",
+            "--name",
+            &work,
+            "--user",
+            &e.user,
+            "-e",
+            "FIRN_VICTIM_SECRET=hunter2",
+            work_image,
+            "/bin/busy",
+            "20",
+        ],
     ));
     assert_eq!(work_id.len(), 64, "podman's container id: {work_id}");
     let out = data.join("profiles");
@@ -444,5 +485,51 @@ fn the_pod_profiles_a_container_under_podman() {
             "process {pid}'s root is writable: {root}"
         );
     }
+    confined_inside(&conf, &enricher_id, pid_of(&work_id), &e.args);
     drop(clean);
+}
+
+const PROBE: &str = "/usr/local/bin/firn-confined-probe";
+
+/// The confined probe inside the enricher's container, with the manifest's arguments:
+/// without its confinement it reads the same-uid workload's environment and files
+/// (the control); with it, nothing of that process, no TCP port it was not given (the
+/// enricher's own listener, for one), no exec.
+fn confined_inside(conf: &Path, enricher: &str, victim: u32, args: &[String]) {
+    let victim = victim.to_string();
+    let attempt = |confined: &str| -> Value {
+        let mut a: Vec<&str> = vec!["exec", "-e", confined, enricher, PROBE, &victim];
+        a.extend(["/proc/1/root/etc/shadow", "7071", "7071", "--"]);
+        a.extend(args.iter().map(String::as_str));
+        let out = run(conf, "podman", &a);
+        serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&out)))
+    };
+    let control = attempt("FIRN_PROBE_UNCONFINED=1");
+    eprintln!("in the pod, unconfined: {control}");
+    for k in ["proc_environ", "proc_root", "tcp_unconfigured"] {
+        assert_eq!(
+            control[k], "ALLOWED",
+            "{k} refused even unconfined: {control}"
+        );
+    }
+    let r = attempt("FIRN_PROBE_UNCONFINED=0");
+    eprintln!("in the pod, confined: {r}");
+    for k in [
+        "proc_environ",
+        "proc_root",
+        "proc_maps",
+        "proc_mem",
+        "proc_fd",
+        "other_home",
+        "tcp_unconfigured",
+        "exec",
+        "signal_victim",
+        "ptrace",
+        "process_vm_readv",
+        "unshare_user",
+        "mount",
+    ] {
+        assert_ne!(r[k], "ALLOWED", "{k} allowed in the pod: {r}");
+    }
+    assert_eq!(r["write_inside"], "ALLOWED", "its data volume: {r}");
 }

@@ -26,6 +26,8 @@ fn the_page_shows_the_machine_narrows_to_a_process_and_downloads_pprof() {
         .args([
             "--url",
             &format!("http://{}", f.http),
+            "--token",
+            &f.token(),
             "--pid",
             &pid.to_string(),
         ])
@@ -48,7 +50,7 @@ fn the_page_shows_the_machine_narrows_to_a_process_and_downloads_pprof() {
     let top = go_pprof(&["-top", "-symbolize=none"], &[pprof]);
     assert!(top.contains("hot_leaf"), "{top}");
     // pprof fetching the whole machine itself exits 0 (it asks /symbolz, answered).
-    let url = format!("http://{}/pprof/cpu?seconds=60", f.http);
+    let url = f.url("/pprof/cpu?seconds=60");
     let top = go_pprof(&["-top"], &[url.into()]);
     assert!(top.contains("hot_leaf"), "{top}");
 }

@@ -51,6 +51,7 @@ def names(d):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
+    ap.add_argument("--token", required=True, help="the enricher's HTTP token")
     ap.add_argument("--pid", required=True)
     ap.add_argument("--function", required=True, help="a function of the workload, e.g. hot_leaf")
     ap.add_argument("--shots", required=True)
@@ -60,7 +61,9 @@ def main():
     report = {}
     try:
         t0 = time.time()
-        d.get(a.url + "/")
+        # Once with the token: the page sets its cookie and comes back without it.
+        d.get(a.url + "/?token=" + a.token)
+        assert "token=" not in d.current_url, d.current_url
         wait("the flame graph", lambda: a.function in names(d))
         report["first_draw_s"] = round(time.time() - t0, 2)
         d.save_screenshot(f"{a.shots}/view-machine.png")
@@ -99,7 +102,8 @@ def main():
         wait("zoomed", lambda: "zoomed" in d.find_element(By.ID, "flame-info").text)
 
         # The download link serves a pprof.
-        with urllib.request.urlopen(href, timeout=30) as r:
+        auth = {"Authorization": "Bearer " + a.token}
+        with urllib.request.urlopen(urllib.request.Request(href, headers=auth), timeout=30) as r:
             body = r.read()
         assert body[:2] == b"\x1f\x8b", "not gzip"
         open(a.pprof_out, "wb").write(body)
@@ -107,7 +111,8 @@ def main():
 
         # Too large a window is refused with a message, shown on the page too.
         try:
-            urllib.request.urlopen(a.url + "/api/view?minutes=120", timeout=10)
+            req = urllib.request.Request(a.url + "/api/view?minutes=120", headers=auth)
+            urllib.request.urlopen(req, timeout=10)
             raise AssertionError("minutes=120 was accepted")
         except urllib.error.HTTPError as e:
             msg = e.read().decode()

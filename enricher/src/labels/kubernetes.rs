@@ -244,3 +244,52 @@ pub(crate) fn meta_labels(m: &ContainerMeta, out: &mut BTreeMap<String, String>)
         );
     }
 }
+
+/// What the confinement must leave open for the API server (confine.rs): its ports,
+/// from the in-cluster environment and the kubeconfig, and warnings.
+pub(crate) struct ApiPorts {
+    pub(crate) ports: Vec<u16>,
+    pub(crate) notes: Vec<String>,
+}
+
+/// The ports [`client`] may connect to: the in-cluster service's (443 if unset) and
+/// every cluster server and proxy the kubeconfig names. An exec credential plugin is
+/// noted: it needs execve, which the confinement refuses.
+pub(crate) fn api_ports(kubeconfig: Option<&std::path::Path>) -> ApiPorts {
+    let mut out = ApiPorts {
+        ports: vec![],
+        notes: vec![],
+    };
+    if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        let port = std::env::var("KUBERNETES_SERVICE_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(443);
+        out.ports.push(port);
+    }
+    let kc = match kubeconfig {
+        Some(p) => kube::config::Kubeconfig::read_from(p).ok(),
+        None => kube::config::Kubeconfig::read().ok(),
+    };
+    let Some(kc) = kc else { return out };
+    for c in kc.clusters.iter().filter_map(|c| c.cluster.as_ref()) {
+        for url in [&c.server, &c.proxy_url].into_iter().flatten() {
+            if let Some(port) = crate::confine::port_of(url) {
+                out.ports.push(port);
+            }
+        }
+    }
+    if kc
+        .auth_infos
+        .iter()
+        .any(|a| a.auth_info.as_ref().is_some_and(|i| i.exec.is_some()))
+    {
+        out.notes.push(
+            "the kubeconfig has a user whose credentials come from an exec plugin: the \
+             confined enricher cannot run it (use a token, a client certificate, or \
+             --unconfined)"
+                .into(),
+        );
+    }
+    out
+}

@@ -27,7 +27,14 @@ pub enum ConfigError {
 }
 
 /// Settings no file may set: the file's own name, and switches of the command line.
-const COMMAND_LINE_ONLY: &[&str] = &["config", "dump", "allow_root", "protocol_version"];
+const COMMAND_LINE_ONLY: &[&str] = &[
+    "config",
+    "dump",
+    "allow_root",
+    "protocol_version",
+    "healthcheck",
+    "unconfined",
+];
 
 /// What relabeling runs with: compiled rules and external labels.
 pub struct Labeling {

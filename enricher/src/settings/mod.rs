@@ -32,6 +32,18 @@ pub(crate) enum Compression {
     None,
 }
 
+/// Who may read the HTTP endpoints (`--http-auth`).
+#[derive(Clone, Copy, PartialEq, Eq, Default, Debug, clap::ValueEnum)]
+pub enum HttpAuth {
+    /// The token of --http-token-file, as a bearer header, the page's cookie or
+    /// `?token=` (every endpoint but /healthz and /symbolz, whose answers are constant).
+    #[default]
+    Token,
+    /// No token: any local user (or, off loopback, anyone who reaches the port) reads
+    /// every profile. Only behind an authenticating proxy.
+    None,
+}
+
 /// Which binaries go to Parca's debuginfo service (`--debuginfo-upload`).
 #[derive(Clone, Copy, PartialEq, Eq, Default, Debug, clap::ValueEnum)]
 pub(crate) enum DebuginfoMode {
@@ -75,9 +87,42 @@ pub(crate) struct Settings {
     #[arg(long, env = "FIRN_MIN_FREE", default_value = "64MiB", value_parser = parse_bytes)]
     pub(crate) min_free: u64,
 
-    /// Address of the HTTP server (metrics, health, profiles, pprof endpoints).
+    /// Address of the HTTP server (the web view, metrics, health, profiles, pprof
+    /// endpoints). Loopback by default: profiles show what runs on the node.
     #[arg(long, env = "FIRN_HTTP_ADDRESS", default_value = "127.0.0.1:7071")]
     pub(crate) http_address: SocketAddr,
+
+    /// Who may read the HTTP endpoints: `token` (the default) wants the token of
+    /// --http-token-file on every endpoint but /healthz and /symbolz; `none` serves anyone who
+    /// reaches the port (only behind an authenticating proxy).
+    #[arg(long, env = "FIRN_HTTP_AUTH", value_enum, default_value_t = HttpAuth::Token)]
+    pub(crate) http_auth: HttpAuth,
+
+    /// File holding the HTTP token; created (32 random bytes, mode 0600) when missing.
+    /// Default: .http-token under --output-dir. Open /?token=<it> once in a browser,
+    /// send it as a bearer token (Prometheus, Parca: credentials_file), or add
+    /// &token=<it> to a `go tool pprof` URL.
+    #[arg(long, env = "FIRN_HTTP_TOKEN_FILE")]
+    pub(crate) http_token_file: Option<PathBuf>,
+
+    /// Host names a request may name besides loopback and the listening address (e.g.
+    /// a Service's DNS name); any other Host is answered 421 (DNS rebinding).
+    #[arg(
+        long = "http-allowed-host",
+        env = "FIRN_HTTP_ALLOWED_HOSTS",
+        value_delimiter = ','
+    )]
+    pub(crate) http_allowed_hosts: Vec<String>,
+
+    /// HTTP connections at once; more are closed at once (counted).
+    #[arg(long, env = "FIRN_HTTP_MAX_CONNECTIONS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) http_max_connections: u32,
+
+    /// Serve the enricher's own CPU profile at /debug/pprof/profile (off: it costs a
+    /// thread and a timer for its duration).
+    #[arg(long, env = "FIRN_HTTP_SELF_PROFILE")]
+    pub(crate) http_self_profile: bool,
 
     /// Binaries kept in the symbol cache (LRU; each holds one open file).
     #[arg(long, env = "FIRN_SYMBOL_CACHE", default_value_t = 256,
@@ -280,6 +325,18 @@ pub(crate) struct Settings {
     /// (debugging the stream).
     #[arg(long, env = "FIRN_DUMP")]
     pub(crate) dump: bool,
+
+    /// Check /healthz of --http-address and exit 0 if it answers 200, else 1 (a
+    /// container's health probe, where the server listens on loopback).
+    #[arg(long)]
+    pub(crate) healthcheck: bool,
+
+    /// Run without the enricher's own confinement (Landlock: writes only to its
+    /// directories, no exec, TCP only to its backends and HTTP port, no access to other
+    /// processes' /proc; seccomp: no ptrace, mounts, exec, namespaces). For debugging,
+    /// or a kubeconfig whose credentials come from an exec plugin. Command line only.
+    #[arg(long)]
+    pub(crate) unconfined: bool,
 
     /// Allow running as uid 0. The enricher parses untrusted input (binaries, metadata,
     /// server replies) and needs no privilege, so root is refused by default.

@@ -73,7 +73,7 @@ impl Query {
         };
         let mut filters = Vec::new();
         for (k, v) in q {
-            if k == "minutes" || k == "by" || v.is_empty() {
+            if k == "minutes" || k == "by" || k == "token" || v.is_empty() {
                 continue;
             }
             if !FILTERS.contains(&k.as_str()) {

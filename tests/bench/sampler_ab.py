@@ -1,0 +1,70 @@
+"""A/B of the sampler's BPF cost per sample: two builds of firn-sampler (e.g. one from an
+older commit: `git worktree add /tmp/old <commit>` and `cargo build --release -p
+firn-sampler --target-dir /tmp/old-target` there) beside the same enricher, run after
+run in alternation, on busy.c built without frame pointers (the table walk) and with
+them (frame pointers). BPF ns per run from bpf_stats of the sampler's program fds over
+the sampling window; a run is one sample.
+
+  sudo python3 tests/bench/sampler_ab.py --a OLD/firn-sampler --b target/release/firn-sampler \\
+      [--hz 99,999] [--runs 3] [--seconds 15]
+
+Prints, per workload and frequency, the median (min-max) of A and of B and B/A."""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import benchlib as bl
+import firn_bench as fb
+import profilers as pr
+
+
+def one(binary, hz, exe, seconds):
+    f = pr.Firn(2)
+    f.start(hz, sampler_binary=binary)
+    w = subprocess.Popen([str(exe), str(seconds + 4)], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        ns0, cnt0 = pr.bpf_stats([f.sampler.pid])
+        time.sleep(seconds)
+        ns1, cnt1 = pr.bpf_stats([f.sampler.pid])
+    finally:
+        w.kill()
+        w.wait()
+        f.stop(settle=False)
+    return (ns1 - ns0) / max(1, cnt1 - cnt0)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="the baseline sampler binary")
+    ap.add_argument("--b", required=True, help="the sampler binary measured against it")
+    ap.add_argument("--hz", default="99,999")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seconds", type=int, default=15)
+    ap.add_argument("--skip-build", action="store_true", help="take the workspace binaries as built")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("sampler_ab.py: run as root (the sampler loads BPF)")
+    out = fb.build_all(args.skip_build)
+    workloads = {"no frame pointers": fb.build_nofp(out), "frame pointers": out / pr.COMM}
+    old = pr._read("/proc/sys/kernel/bpf_stats_enabled").strip() or "0"
+    open("/proc/sys/kernel/bpf_stats_enabled", "w").write("1")
+    try:
+        print("| workload | Hz | A ns/sample | B ns/sample | B/A |\n|---|---|---|---|---|")
+        for name, exe in workloads.items():
+            for hz in [int(h) for h in args.hz.split(",")]:
+                a, b = [], []
+                for _ in range(args.runs):
+                    a.append(one(args.a, hz, exe, args.seconds))
+                    b.append(one(args.b, hz, exe, args.seconds))
+                (ma, la, ha), (mb, lb, hb) = bl.med(a), bl.med(b)
+                print(f"| {name} | {hz} | {ma:,.0f} ({la:,.0f}–{ha:,.0f}) | {mb:,.0f} ({lb:,.0f}–{hb:,.0f}) "
+                      f"| {mb / ma:.2f} |", flush=True)
+    finally:
+        open("/proc/sys/kernel/bpf_stats_enabled", "w").write(old)
+
+
+if __name__ == "__main__":
+    main()
