@@ -111,6 +111,12 @@ with open(p, "wb") as f:
 fd = os.open(p, os.O_RDONLY)
 keep = [mmap.mmap(fd, 4096, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
         for _ in range(3000)]
+# A child inherits them: a process that is fat from its first sample on (the parent may
+# have been read before its mmaps, and nothing it runs would have it read again).
+child = os.fork()
+if child:
+    os.waitpid(child, 0)
+    sys.exit(0)
 print("ready", os.getpid(), flush=True)
 t = time.time()
 x = 0
