@@ -88,3 +88,39 @@ open(d + 'seed-valid', 'wb').write(bytes(5) + row(0x1000, 8, 1, 0, 0) + row(0x10
 open(d + 'seed-continued', 'wb').write(bytes([3, 1, 0x10, 0, 0]) + row(0x2000, 8, 1, 0, 0) + row(0x2008, 24, 1, 1, -3))
 open(d + 'seed-unsorted', 'wb').write(bytes(5) + row(0x20, 8, 1, 0, 0) + row(0x10, 8, 1, 0, 0))
 PY
+
+# The CPython analysis: a small shared object with the symbols and sizes of a 3.10 (its
+# version comes from the name the target gives) and one with a 3.13 Py_Version and a
+# _PyRuntime that starts with the debug offsets' cookie.
+mkdir -p $s/python_interpreter $s/python_lines
+cc -shared -fPIC -O1 -o $s/python_interpreter/seed-310 -x c - <<'C'
+char _PyRuntime[672] = {1};
+long PyCode_Type[52] = {0, 0, 0, 0, 176};
+long PyBytes_Type[52] = {0, 0, 0, 0, 33};
+long PyUnicode_Type[52] = {0, 0, 0, 0, 80};
+void _PyEval_EvalFrameDefault(void) {}
+C
+cc -shared -fPIC -O1 -o $s/python_interpreter/seed-313 -x c - <<'C'
+const unsigned Py_Version = 0x030d00f0;
+struct { char cookie[8]; unsigned long v[70]; } _PyRuntime = {"xdebugpy", {0x030d00f0}};
+long PyCode_Type[52] = {0, 0, 0, 0, 200};
+long PyBytes_Type[52] = {0, 0, 0, 0, 33};
+long PyUnicode_Type[52] = {0, 0, 0, 0, 80};
+void _PyEval_EvalFrameDefault(void) {}
+C
+strip $s/python_interpreter/seed-*
+# Line tables: 8 bytes (first line, byte offset), then a 3.10 pair table and a 3.11+
+# location table that CPython wrote.
+python3 - "$s/python_lines" <<'PY'
+import struct, sys
+d = sys.argv[1] + '/'
+def f(a, b=1):
+    x = [i * b for i in range(a)]
+    for y in x:
+        if y > 3:
+            return y
+    return None
+co = f.__code__
+open(d + 'seed-cpython', 'wb').write(struct.pack('<iI', co.co_firstlineno, 6) + co.co_linetable)
+open(d + 'seed-pairs', 'wb').write(struct.pack('<iI', 1, 4) + bytes([4, 1, 4, 1, 2, 0x80, 6, 2]))
+PY

@@ -13,6 +13,7 @@ mod model;
 mod output;
 mod pprof;
 mod processes;
+mod python;
 mod run;
 mod settings;
 mod summary;
@@ -43,4 +44,10 @@ pub mod encodings {
     pub use crate::output::opensearch::{encode as opensearch, Format as OpenSearchFormat};
     pub use crate::output::otlp::encode as otlp;
     pub use crate::output::parca::encode as parca;
+}
+
+/// CPython interpreters: their analysis from the file and their line tables (driven by
+/// the fuzz targets and tests until the BPF walk uses them).
+pub mod cpython {
+    pub use crate::python::*;
 }

@@ -131,6 +131,8 @@ metrics! {
     unwind_table_rows_sent: "unwind rows the sampler took",
     unwind_tables_refused: "unwind tables the sampler refused (see log: budget, owner, rate)",
     unwind_table_send_errors: "unwind tables whose sending failed in transport",
+    python_interpreters_found: "CPython interpreter files whose version and layout were read from the file",
+    python_interpreters_unknown: "CPython files of a version or build firn does not read frames of (their frames stay native; logged)",
     user_stacks_incomplete: "user stacks the unwinder ended early (a marker frame names why)",
     debuginfo_uploaded: "binaries uploaded to Parca as debuginfo",
     debuginfo_upload_bytes: "bytes of debuginfo uploaded to Parca",

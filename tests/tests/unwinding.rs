@@ -279,6 +279,17 @@ fn whole_stacks_without_frame_pointers() {
             .unwrap_or(0.0)
             >= 4.0
     );
+    // Debian's python3 (stripped, libpython linked in) is recognised from its file.
+    assert!(
+        f.metric("firn_enricher_python_interpreters_found_total")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+    assert_eq!(
+        f.metric("firn_enricher_python_interpreters_unknown_total")
+            .unwrap_or(0.0),
+        0.0
+    );
 }
 
 #[test]

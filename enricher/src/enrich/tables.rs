@@ -98,7 +98,12 @@ impl Enricher {
             }
         };
         let t0 = std::time::Instant::now();
-        let built = crate::unwind::build_from_fd(fd);
+        let built = crate::unwind::map_fd(fd).and_then(|map| {
+            if crate::python::might_be_cpython(path) {
+                self.note_interpreter(&map, path);
+            }
+            crate::unwind::build_from_map(&map)
+        });
         Metrics::add(
             &m.unwind_table_build_ns,
             u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -140,6 +145,24 @@ impl Enricher {
                 tracing::warn!(path, error = %e, "sending an unwind table failed");
                 State::Retry(round + 1)
             }
+        }
+    }
+
+    /// A CPython interpreter among a process's files: its version and layout, from the
+    /// file alone. Counted and logged; the BPF walk that will use it is issue 28's.
+    fn note_interpreter(&self, map: &[u8], path: &str) {
+        let m = &self.metrics;
+        match crate::symbolize::contained(|| crate::python::analyze(map, path)) {
+            Some(Ok(i)) => {
+                Metrics::inc(&m.python_interpreters_found);
+                tracing::info!(path, version = %i.version, "CPython interpreter found");
+            }
+            Some(Err(e)) if e.is_cpython() => {
+                Metrics::inc(&m.python_interpreters_unknown);
+                tracing::info!(path, error = %e, "a CPython firn does not read frames of; its frames stay native");
+            }
+            Some(Err(_)) => {}
+            None => Metrics::inc(&m.python_interpreters_unknown),
         }
     }
 }

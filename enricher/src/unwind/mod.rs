@@ -74,8 +74,9 @@ pub(crate) enum LoadError {
     Panicked,
 }
 
-/// Builds the table of the file behind `fd` (mapped read-only, never written).
-pub(crate) fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
+/// Maps a brokered file whole, read-only (never written), for its table and any other
+/// analysis of it.
+pub(crate) fn map_fd(fd: OwnedFd) -> Result<memmap2::Mmap, LoadError> {
     let file = std::fs::File::from(fd);
     let len = file.metadata()?.len();
     if len > MAX_FILE_BYTES {
@@ -84,8 +85,12 @@ pub(crate) fn build_from_fd(fd: OwnedFd) -> Result<Table, LoadError> {
     // SAFETY: a read-only private mapping of a brokered file. Another process could
     // truncate the file under us (SIGBUS); the sampler brokers only regular files that
     // processes have mapped executable, which are not truncated in practice.
-    let map = unsafe { memmap2::Mmap::map(&file)? };
-    crate::symbolize::contained(|| build(&map))
+    Ok(unsafe { memmap2::Mmap::map(&file)? })
+}
+
+/// Builds the table of a mapped file, a panic contained.
+pub(crate) fn build_from_map(map: &[u8]) -> Result<Table, LoadError> {
+    crate::symbolize::contained(|| build(map))
         .ok_or(LoadError::Panicked)?
         .map_err(LoadError::from)
 }
