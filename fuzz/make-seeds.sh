@@ -124,3 +124,13 @@ co = f.__code__
 open(d + 'seed-cpython', 'wb').write(struct.pack('<iI', co.co_firstlineno, 6) + co.co_linetable)
 open(d + 'seed-pairs', 'wb').write(struct.pack('<iI', 1, 4) + bytes([4, 1, 4, 1, 2, 0x80, 6, 2]))
 PY
+# An interpreter record as the enricher makes it from pyenv's 3.12.1 (schema
+# python_record: 8 kind bytes, 9 words, 23 offsets, 2 reserved bytes).
+mkdir -p $s/python_record
+python3 - "$s/python_record" <<'PY'
+import struct, sys
+head = bytes([1, 12, 1, 1, 2, 3, 0, 0])
+words = [0, 0x643340, 0x549e80, 0x563c20, 0x548840, 0x10bdc0, 0x11882d, 0x10ba24, 0x10bdb0]
+offs = [48, 72, 8, 136, 56, 0, 8, 0, 56, 70, 192, 200, 112, 128, 136, 68, 8, 24, 32, 16, 40, 16, 32]
+open(sys.argv[1] + '/seed-3.12', 'wb').write(head + struct.pack('<9Q', *words) + struct.pack('<23H', *offs) + bytes(2))
+PY

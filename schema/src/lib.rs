@@ -138,6 +138,8 @@ pub mod unwind_row {
     }
 }
 
+pub mod python_record;
+
 /// Reader limits for what the enricher receives (batches can be tens of MiB).
 pub fn enricher_reader_options() -> capnp::message::ReaderOptions {
     let mut o = capnp::message::ReaderOptions::new();

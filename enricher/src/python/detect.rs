@@ -317,3 +317,59 @@ fn fde_range(obj: &ElfFile64<'_, object::Endianness>, address: u64) -> Option<Ra
     }
     None
 }
+
+impl Interpreter {
+    /// The record the sampler checks (`firn_schema::python_record`).
+    pub fn to_record(&self) -> firn_schema::python_record::Record {
+        use firn_schema::python_record as r;
+        let l = &self.layout;
+        let (position, code_adaptive) = match l.position {
+            Position::LastiIndex => (r::POSITION_LASTI, 0),
+            Position::Pointer { code_adaptive } => (r::POSITION_POINTER, code_adaptive),
+        };
+        let (boundary, boundary_offset, cstack) = match l.boundary {
+            layout::Boundary::OneFramePerCall => (r::BOUNDARY_ONE_FRAME, 0, 0),
+            layout::Boundary::IsEntry(o) => (r::BOUNDARY_IS_ENTRY, o, 0),
+            layout::Boundary::Owner { offset, cstack } => (r::BOUNDARY_OWNER, offset, cstack),
+        };
+        r::Record {
+            minor: self.version.minor,
+            micro: self.version.micro.unwrap_or(u8::MAX),
+            position,
+            boundary,
+            cstack,
+            code_tag_bits: l.frame_code_tag_bits,
+            text_delta: self.text_delta,
+            runtime: self.runtime,
+            code_type: self.code_type,
+            str_type: self.str_type,
+            bytes_type: self.bytes_type,
+            eval: (self.eval.start, self.eval.end),
+            eval_cold: self.eval_cold.clone().map_or((0, 0), |c| (c.start, c.end)),
+            runtime_interpreters: l.runtime_interpreters,
+            interp_threads_head: l.interp_threads_head,
+            tstate_next: l.tstate_next,
+            tstate_thread_id: l.tstate_thread_id,
+            tstate_frame: l.tstate_frame,
+            cframe_frame: l.cframe_frame.unwrap_or(r::NONE),
+            frame_previous: l.frame_previous,
+            frame_code: l.frame_code,
+            frame_instr: l.frame_instr,
+            boundary_offset,
+            code_adaptive,
+            // Bounded by MAX_OFFSET in both layouts' sources, so it fits.
+            code_size: u16::try_from(l.code_size).unwrap_or(u16::MAX),
+            code_filename: l.code_filename,
+            code_name: l.code_name,
+            code_linetable: l.code_linetable,
+            code_firstlineno: l.code_firstlineno,
+            object_type: l.object_type,
+            type_name: l.type_name,
+            str_state: l.str_state,
+            str_length: l.str_length,
+            str_ascii_data: l.str_ascii_data,
+            bytes_size: l.bytes_size,
+            bytes_data: l.bytes_data,
+        }
+    }
+}

@@ -74,6 +74,11 @@ fn finds_every_interpreter_here() {
             "{full}: eval {:?}",
             i.eval
         );
+        // The record the sampler will check passes its rules and survives the wire.
+        let rec = i.to_record();
+        assert_eq!(rec.check(), Ok(()), "{full}: {rec:?}");
+        let back = firn_schema::python_record::Record::from_bytes(&rec.to_bytes());
+        assert_eq!(back, Some(rec), "{full}");
         // pyenv's builds keep .symtab, so the cold part is found where gcc split one off
         // (3.11 and 3.12 here); Debian's is stripped.
         if exe != lib {
