@@ -159,10 +159,16 @@ impl Enricher {
             }
             Some(Err(e)) if e.is_cpython() => {
                 Metrics::inc(&m.python_interpreters_unknown);
-                tracing::info!(path, error = %e, "a CPython firn does not read frames of; its frames stay native");
+                tracing::info!(path, error = %e, "a CPython whose layout firn does not know");
             }
             Some(Err(_)) => {}
-            None => Metrics::inc(&m.python_interpreters_unknown),
+            None => {
+                Metrics::inc(&m.python_interpreters_unknown);
+                tracing::warn!(
+                    path,
+                    "the CPython analysis panicked on this file (contained)"
+                );
+            }
         }
     }
 }
