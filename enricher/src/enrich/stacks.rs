@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::Enricher;
-use crate::batch::{Batch, Stack};
+use crate::batch::{Batch, Sample, Stack};
 use crate::labels::Extra;
 use crate::metrics::Metrics;
 use crate::model::{BinaryId, Frame, LabelSet, Lines, MappingSpec, StackSample};
@@ -81,37 +81,10 @@ impl Enricher {
         let mut stacks = Vec::with_capacity(batch.samples.len());
         for s in &batch.samples {
             Metrics::add(&m.samples_received, s.count);
-            let entry = self.processes.get(s.process_id);
-            if entry.is_none() {
+            if self.processes.get(s.process_id).is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
             }
-            let labels = match label_sets.get(&s.process_id) {
-                Some(l) => l.clone(),
-                None => {
-                    if entry.is_none() {
-                        tracing::info!(
-                            pid = s.pid,
-                            "samples of a process with no record; encoded with comm only"
-                        );
-                    }
-                    let (build_id, stripped) = entry.map_or((None, None), |e| self.exe_facts(e));
-                    let extra = Extra {
-                        comm: &s.comm,
-                        executable_build_id: build_id,
-                        executable_stripped: stripped,
-                    };
-                    let l =
-                        self.labeler
-                            .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
-                    if l.is_none() {
-                        Metrics::inc(&m.processes_dropped_by_relabel);
-                        tracing::debug!(pid = s.pid, "process dropped by a relabel rule");
-                    }
-                    label_sets.insert(s.process_id, l.clone());
-                    l
-                }
-            };
-            let Some(labels) = labels else {
+            let Some(labels) = self.labels_of(s, &mut label_sets) else {
                 Metrics::add(&m.samples_dropped_by_relabel, s.count);
                 continue;
             };
@@ -120,60 +93,10 @@ impl Enricher {
                 .iter()
                 .map(|&k| Frame::Kernel(kernel_names[k as usize].clone()))
                 .collect();
+            let entry = self.processes.get(s.process_id);
             for (i, &addr) in s.user_frames.iter().enumerate() {
-                let frame =
-                    match entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp))) {
-                        None => {
-                            Metrics::inc(&m.frames_unsymbolized_no_mapping);
-                            Frame::User {
-                                mapping: None,
-                                address: addr,
-                                lines: None,
-                            }
-                        }
-                        Some((e, idx, mp)) => {
-                            let known = match &e.binaries[idx] {
-                                Binary::Known(id) => Some(id),
-                                _ => None,
-                            };
-                            let lines = known.and_then(|id| {
-                                resolved
-                                    .get(&(id.clone(), sym_offset(addr, mp, i)))
-                                    .cloned()
-                                    .flatten()
-                            });
-                            match (&known, &lines) {
-                                (None, _) => Metrics::inc(&m.frames_unsymbolized_no_binary),
-                                (Some(_), None) => Metrics::inc(&m.frames_unsymbolized_no_symbol),
-                                (Some(_), Some(_)) => Metrics::inc(&m.frames_symbolized),
-                            }
-                            let spec = mappings
-                                .entry((s.process_id, idx))
-                                .or_insert_with(|| {
-                                    Arc::new(MappingSpec {
-                                        start: mp.start,
-                                        limit: mp.end,
-                                        offset: mp.file_offset,
-                                        file: Arc::from(mp.path.as_str()),
-                                        build_id: Arc::from(
-                                            known
-                                                .and_then(|id| self.symbolizer.build_id(id))
-                                                .map(hex)
-                                                .unwrap_or_default()
-                                                .as_str(),
-                                        ),
-                                        symbolized: known.is_some(),
-                                    })
-                                })
-                                .clone();
-                            Frame::User {
-                                mapping: Some(spec),
-                                address: addr,
-                                lines,
-                            }
-                        }
-                    };
-                frames.push(frame);
+                let f = self.user_frame((s.process_id, entry), addr, i, resolved, &mut mappings);
+                frames.push(f);
             }
             if let Some(marker) = s.user_end {
                 Metrics::inc(&m.user_stacks_incomplete);
@@ -195,6 +118,101 @@ impl Enricher {
             });
         }
         stacks
+    }
+
+    /// The label set of a sample's process, computed once a round (None: a relabel rule
+    /// dropped the process).
+    fn labels_of(
+        &mut self,
+        s: &Sample,
+        label_sets: &mut HashMap<u64, Option<Arc<LabelSet>>>,
+    ) -> Option<Arc<LabelSet>> {
+        if let Some(l) = label_sets.get(&s.process_id) {
+            return l.clone();
+        }
+        let entry = self.processes.get(s.process_id);
+        if entry.is_none() {
+            tracing::info!(
+                pid = s.pid,
+                "samples of a process with no record; encoded with comm only"
+            );
+        }
+        let (build_id, stripped) = entry.map_or((None, None), |e| self.exe_facts(e));
+        let extra = Extra {
+            comm: &s.comm,
+            executable_build_id: build_id,
+            executable_stripped: stripped,
+        };
+        let l = self
+            .labeler
+            .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
+        if l.is_none() {
+            Metrics::inc(&self.metrics.processes_dropped_by_relabel);
+            tracing::debug!(pid = s.pid, "process dropped by a relabel rule");
+        }
+        label_sets.insert(s.process_id, l.clone());
+        l
+    }
+
+    /// User frame `i` of a stack of process `process_id` (its entry), named from `resolved`, with its
+    /// mapping (one `MappingSpec` per process and mapping a round).
+    fn user_frame(
+        &self,
+        (process_id, entry): (u64, Option<&Entry>),
+        addr: u64,
+        i: usize,
+        resolved: &Resolved,
+        mappings: &mut HashMap<(u64, usize), Arc<MappingSpec>>,
+    ) -> Frame {
+        let m = &self.metrics;
+        let found = entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp)));
+        let Some((e, idx, mp)) = found else {
+            Metrics::inc(&m.frames_unsymbolized_no_mapping);
+            return Frame::User {
+                mapping: None,
+                address: addr,
+                lines: None,
+            };
+        };
+        let known = match &e.binaries[idx] {
+            Binary::Known(id) => Some(id),
+            _ => None,
+        };
+        let lines = known.and_then(|id| {
+            resolved
+                .get(&(id.clone(), sym_offset(addr, mp, i)))
+                .cloned()
+                .flatten()
+        });
+        match (&known, &lines) {
+            (None, _) => Metrics::inc(&m.frames_unsymbolized_no_binary),
+            (Some(_), None) => Metrics::inc(&m.frames_unsymbolized_no_symbol),
+            (Some(_), Some(_)) => Metrics::inc(&m.frames_symbolized),
+        }
+        let spec = mappings
+            .entry((process_id, idx))
+            .or_insert_with(|| {
+                Arc::new(MappingSpec {
+                    start: mp.start,
+                    limit: mp.end,
+                    offset: mp.file_offset,
+                    file: Arc::from(mp.path.as_str()),
+                    build_id: Arc::from(
+                        known
+                            .and_then(|id| self.symbolizer.build_id(id))
+                            .map(hex)
+                            .unwrap_or_default()
+                            .as_str(),
+                    ),
+                    symbolized: known.is_some(),
+                })
+            })
+            .clone();
+        Frame::User {
+            mapping: Some(spec),
+            address: addr,
+            lines,
+        }
     }
 }
 
