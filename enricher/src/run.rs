@@ -140,6 +140,67 @@ struct Pipeline {
     outputs: Outputs,
 }
 
+/// What the event loop keeps of the sampler session.
+struct Session {
+    broker: Option<Rc<Broker>>,
+    /// The sampler counts drops per subscription, cumulatively; this is the last count.
+    dropped: u64,
+    /// (device, inode) of the output directory the confinement allows writes beneath.
+    confined_dir: Option<(u64, u64)>,
+}
+
+impl Pipeline {
+    /// One round: enriched, handed to the outputs. `Err` with the exit code when the
+    /// enricher must stop (its output directory was replaced).
+    async fn round(
+        &mut self,
+        batch: crate::batch::Batch,
+        session: &mut Session,
+        s: &Settings,
+        metrics: &Metrics,
+    ) -> Result<(), ExitCode> {
+        let lost = batch.dropped_batches.saturating_sub(session.dropped);
+        Metrics::add(&metrics.batches_dropped_upstream, lost);
+        if lost > 0 {
+            tracing::warn!(
+                batches = lost,
+                "the sampler dropped batches for this enricher (it fell behind)"
+            );
+        }
+        session.dropped = batch.dropped_batches;
+        if let Ok(mut c) = metrics.sampler.lock() {
+            *c = batch.counters.clone();
+        }
+        let end_ns = batch.end_time_ns;
+        let round = self.enricher.handle(batch, session.broker.as_deref()).await;
+        let errors = metrics.sink_errors.load(Ordering::Relaxed);
+        self.outputs.round(round, &self.enricher.symbolizer);
+        if metrics.sink_errors.load(Ordering::Relaxed) > errors
+            && session
+                .confined_dir
+                .is_some_and(|id| dir_identity(&s.output_dir).is_some_and(|now| now != id))
+        {
+            tracing::error!(
+                output_dir = %s.output_dir.display(),
+                "the output directory was removed and made again: the confinement \
+                 allows writes only beneath the one the enricher started with; \
+                 exiting with 75 so that the supervisor restarts it"
+            );
+            return Err(ExitCode::from(75));
+        }
+        let lag = firn_schema::now_ns().saturating_sub(end_ns);
+        metrics
+            .round_lag_ms
+            .store(lag / 1_000_000, Ordering::Relaxed);
+        // A round's transient memory (the batch, unwind tables being built, the encoded
+        // profiles) is free now: give its pages back rather than let the heap keep its
+        // high-water mark until the next burst.
+        // SAFETY: malloc_trim has no preconditions.
+        unsafe { libc::malloc_trim(0) };
+        Ok(())
+    }
+}
+
 async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> ExitCode {
     let metrics = Arc::new(Metrics::default());
     metrics
@@ -176,14 +237,15 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
             Err(code) => return code,
         }
     };
-    let mut broker: Option<Rc<Broker>> = None;
-    // The sampler counts drops per subscription, cumulatively; this is the last count.
-    let mut session_dropped = 0u64;
-    // The confinement allows writes beneath the output directory it started with; one
-    // removed and made again is another directory, out of reach until a restart.
-    let confined_dir = (!s.unconfined)
-        .then(|| dir_identity(&s.output_dir))
-        .flatten();
+    let mut session = Session {
+        broker: None,
+        dropped: 0,
+        // The confinement allows writes beneath the output directory it started with;
+        // one removed and made again is another directory, out of reach until a restart.
+        confined_dir: (!s.unconfined)
+            .then(|| dir_identity(&s.output_dir))
+            .flatten(),
+    };
     let mut exit = ExitCode::SUCCESS;
     loop {
         let ev = tokio::select! {
@@ -208,49 +270,15 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
             Event::Connected(info, b) => {
                 p.enricher.labeler.set_node(&info.node);
                 http.set_round_seconds(info.round_seconds);
-                broker = b;
-                session_dropped = 0;
+                session.broker = b;
+                session.dropped = 0;
             }
-            Event::Disconnected => broker = None,
+            Event::Disconnected => session.broker = None,
             Event::Batch(batch) => {
-                let lost = batch.dropped_batches.saturating_sub(session_dropped);
-                Metrics::add(&metrics.batches_dropped_upstream, lost);
-                if lost > 0 {
-                    tracing::warn!(
-                        batches = lost,
-                        "the sampler dropped batches for this enricher (it fell behind)"
-                    );
-                }
-                session_dropped = batch.dropped_batches;
-                if let Ok(mut c) = metrics.sampler.lock() {
-                    *c = batch.counters.clone();
-                }
-                let end_ns = batch.end_time_ns;
-                let round = p.enricher.handle(batch, broker.as_deref()).await;
-                let errors = metrics.sink_errors.load(Ordering::Relaxed);
-                p.outputs.round(round, &p.enricher.symbolizer);
-                if metrics.sink_errors.load(Ordering::Relaxed) > errors
-                    && confined_dir
-                        .is_some_and(|id| dir_identity(&s.output_dir).is_some_and(|now| now != id))
-                {
-                    tracing::error!(
-                        output_dir = %s.output_dir.display(),
-                        "the output directory was removed and made again: the confinement \
-                         allows writes only beneath the one the enricher started with; \
-                         exiting with 75 so that the supervisor restarts it"
-                    );
-                    exit = ExitCode::from(75);
+                if let Err(code) = p.round(batch, &mut session, &s, &metrics).await {
+                    exit = code;
                     break;
                 }
-                let lag = firn_schema::now_ns().saturating_sub(end_ns);
-                metrics
-                    .round_lag_ms
-                    .store(lag / 1_000_000, Ordering::Relaxed);
-                // A round's transient memory (the batch, unwind tables being built, the
-                // encoded profiles) is free now: give its pages back rather than let the
-                // heap keep its high-water mark until the next burst.
-                // SAFETY: malloc_trim has no preconditions.
-                unsafe { libc::malloc_trim(0) };
             }
         }
     }
