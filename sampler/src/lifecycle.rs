@@ -109,23 +109,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let allow = listen::resolve_allow(&args.allow_uid, &args.allow_gid)?;
     let run_as = args.user.as_deref().map(drop::resolve_user).transpose()?;
 
-    // Opened while CAP_SYSLOG is held: the kernel decides visibility at open time.
-    let kallsyms = match std::fs::File::open("/proc/kallsyms").map(Kallsyms::read) {
-        Ok(Ok(k)) => k,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "kernel frames will be [unknown]");
-            Kallsyms::empty()
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot open /proc/kallsyms; kernel frames will be [unknown]");
-            Kallsyms::empty()
-        }
-    };
-    if kallsyms.is_empty() {
-        tracing::warn!(
-            "/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]"
-        );
-    }
+    let kallsyms = read_kallsyms();
 
     let counters = Rc::new(Counters::default());
     let mut sampling = attach::load_and_attach(
@@ -137,17 +121,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         },
         counters.clone(),
     )?;
-    // Raised while setrlimit is still allowed: each handle is one fd.
-    let max_handles = handles::fit_to_fd_limit(args.binary_handles as usize);
-    if max_handles < args.binary_handles as usize {
-        tracing::warn!(
-            wanted = args.binary_handles,
-            kept = max_handles,
-            "RLIMIT_NOFILE leaves room for fewer binary handles; binaries of exited \
-             processes may not be brokered"
-        );
-    }
-    let handles = Rc::new(std::cell::RefCell::new(handles::Handles::new(max_handles)));
+    let handles = binary_handles(args.binary_handles as usize);
     {
         use libbpf_rs::MapCore;
         drain::check_layout(
@@ -164,15 +138,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         "sampling started"
     );
 
-    let uname = nix::sys::utsname::uname().context("uname")?;
-    let identity = Identity {
-        session_id: session_id(),
-        node: uname.nodename().to_string_lossy().into_owned(),
-        kernel_release: uname.release().to_string_lossy().into_owned(),
-        frequency_hz: args.frequency,
-        round_seconds: args.round,
-        kept_capabilities: drop::KEPT.iter().map(ToString::to_string).collect(),
-    };
+    let identity = identity(&args)?;
 
     // Everything that needs a syscall the filter forbids happens before confinement:
     // the runtime's epoll instance, the signal pipe, the listener registration.
@@ -199,22 +165,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         )
     };
 
-    // Setup freed several MiB (kallsyms text, libbpf's parse of the kernel BTF); hand
-    // them back so the steady state starts small.
-    // SAFETY: malloc_trim has no preconditions.
-    unsafe { libc::malloc_trim(0) };
-    drop::drop_capabilities(run_as).context("dropping capabilities")?;
-    let filter = drop::build_filter()?;
-    // Setup's code and read-only data leave the RSS (madvise is not in the filter).
-    match trim::drop_setup_pages() {
-        Ok(kib) => tracing::info!(dropped_kib = kib, "setup pages dropped from RSS"),
-        Err(e) => tracing::warn!(error = %e, "setup pages kept"),
-    }
-    drop::confine(&filter).context("installing the seccomp filter")?;
-    tracing::info!(
-        kept_capabilities = ?identity.kept_capabilities,
-        "privileges dropped; seccomp filter installed"
-    );
+    drop_privileges(run_as, &identity)?;
     #[cfg(feature = "forbidden-probe")]
     probe::run();
 
@@ -249,5 +200,76 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     drop(sampling);
     ended?;
     tracing::info!("stopped; BPF program detached");
+    Ok(())
+}
+
+/// The kernel's symbols, opened while CAP_SYSLOG is held (the kernel decides visibility
+/// at open time); empty, with a warning, when they cannot be had.
+fn read_kallsyms() -> Kallsyms {
+    let kallsyms = match std::fs::File::open("/proc/kallsyms").map(Kallsyms::read) {
+        Ok(Ok(k)) => k,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kernel frames will be [unknown]");
+            Kallsyms::empty()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open /proc/kallsyms; kernel frames will be [unknown]");
+            Kallsyms::empty()
+        }
+    };
+    if kallsyms.is_empty() {
+        tracing::warn!(
+            "/proc/kallsyms shows no addresses (kptr_restrict?); kernel frames will be [unknown]"
+        );
+    }
+    kallsyms
+}
+
+/// The binary handles, their number raised to fit RLIMIT_NOFILE while setrlimit is
+/// still allowed (each handle is one fd).
+fn binary_handles(wanted: usize) -> Rc<std::cell::RefCell<handles::Handles>> {
+    let max_handles = handles::fit_to_fd_limit(wanted);
+    if max_handles < wanted {
+        tracing::warn!(
+            wanted,
+            kept = max_handles,
+            "RLIMIT_NOFILE leaves room for fewer binary handles; binaries of exited \
+             processes may not be brokered"
+        );
+    }
+    Rc::new(std::cell::RefCell::new(handles::Handles::new(max_handles)))
+}
+
+fn identity(args: &cli::Args) -> anyhow::Result<Identity> {
+    let uname = nix::sys::utsname::uname().context("uname")?;
+    Ok(Identity {
+        session_id: session_id(),
+        node: uname.nodename().to_string_lossy().into_owned(),
+        kernel_release: uname.release().to_string_lossy().into_owned(),
+        frequency_hz: args.frequency,
+        round_seconds: args.round,
+        kept_capabilities: drop::KEPT.iter().map(ToString::to_string).collect(),
+    })
+}
+
+/// Capabilities dropped (to `run_as` if given), setup's pages out of the RSS, then the
+/// seccomp filter: after this, only the filter's syscalls remain.
+fn drop_privileges(run_as: Option<(u32, u32)>, identity: &Identity) -> anyhow::Result<()> {
+    // Setup freed several MiB (kallsyms text, libbpf's parse of the kernel BTF); hand
+    // them back so the steady state starts small.
+    // SAFETY: malloc_trim has no preconditions.
+    unsafe { libc::malloc_trim(0) };
+    drop::drop_capabilities(run_as).context("dropping capabilities")?;
+    let filter = drop::build_filter()?;
+    // Setup's code and read-only data leave the RSS (madvise is not in the filter).
+    match trim::drop_setup_pages() {
+        Ok(kib) => tracing::info!(dropped_kib = kib, "setup pages dropped from RSS"),
+        Err(e) => tracing::warn!(error = %e, "setup pages kept"),
+    }
+    drop::confine(&filter).context("installing the seccomp filter")?;
+    tracing::info!(
+        kept_capabilities = ?identity.kept_capabilities,
+        "privileges dropped; seccomp filter installed"
+    );
     Ok(())
 }
