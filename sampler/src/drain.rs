@@ -136,6 +136,15 @@ pub(crate) fn drain(
     ustacks: BorrowedFd<'_>,
 ) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
+    drain_counts(counts, &mut out)?;
+    let mut frames = vec![0u64; MAX_STACK_DEPTH];
+    take_user_stacks(ustacks, &mut out, &mut frames);
+    take_kernel_stacks(stacks, &mut out, &mut frames);
+    Ok(out)
+}
+
+/// Every sample key and count, taken out of the counts map in batches.
+fn drain_counts(counts: BorrowedFd<'_>, out: &mut Drained) -> Result<(), DrainError> {
     let mut keys = vec![0u8; BATCH * KEY_SIZE];
     let mut values = vec![0u64; BATCH];
     let mut token = [0u8; KEY_SIZE];
@@ -179,12 +188,15 @@ pub(crate) fn drain(
             }
         }
         if done {
-            break;
+            return Ok(());
         }
         token = out_token;
         first = false;
     }
-    let mut frames = vec![0u64; MAX_STACK_DEPTH];
+}
+
+/// The user stacks the samples name, each taken out of its map once.
+fn take_user_stacks(ustacks: BorrowedFd<'_>, out: &mut Drained, frames: &mut [u64]) {
     for s in &out.samples {
         let UserRef::Hash(hash) = s.user else {
             continue;
@@ -208,28 +220,30 @@ pub(crate) fn drain(
         out.user_stacks.insert(hash, frames[..depth].to_vec());
         frames.iter_mut().for_each(|f| *f = 0);
     }
+}
+
+/// The kernel stacks the samples name, read, then deleted from the stack map.
+fn take_kernel_stacks(stacks: BorrowedFd<'_>, out: &mut Drained, frames: &mut [u64]) {
     for s in &out.samples {
-        {
-            let StackRef::Id(id) = s.kernel else { continue };
-            if out.stacks.contains_key(&id) {
-                continue;
-            }
-            // SAFETY: key is a u32, value buffer holds MAX_STACK_DEPTH u64s (value_size).
-            let ret = unsafe {
-                libbpf_sys::bpf_map_lookup_elem(
-                    stacks.as_raw_fd(),
-                    (&id as *const u32).cast(),
-                    frames.as_mut_ptr().cast(),
-                )
-            };
-            if ret < 0 {
-                out.stack_lookup_failures += 1;
-                continue;
-            }
-            let depth = frames.iter().position(|&f| f == 0).unwrap_or(frames.len());
-            out.stacks.insert(id, frames[..depth].to_vec());
-            frames.iter_mut().for_each(|f| *f = 0);
+        let StackRef::Id(id) = s.kernel else { continue };
+        if out.stacks.contains_key(&id) {
+            continue;
         }
+        // SAFETY: key is a u32, value buffer holds MAX_STACK_DEPTH u64s (value_size).
+        let ret = unsafe {
+            libbpf_sys::bpf_map_lookup_elem(
+                stacks.as_raw_fd(),
+                (&id as *const u32).cast(),
+                frames.as_mut_ptr().cast(),
+            )
+        };
+        if ret < 0 {
+            out.stack_lookup_failures += 1;
+            continue;
+        }
+        let depth = frames.iter().position(|&f| f == 0).unwrap_or(frames.len());
+        out.stacks.insert(id, frames[..depth].to_vec());
+        frames.iter_mut().for_each(|f| *f = 0);
     }
     for id in out.stacks.keys() {
         // SAFETY: key is a u32. A failed delete leaves a stale entry that a later
@@ -238,7 +252,6 @@ pub(crate) fn drain(
             libbpf_sys::bpf_map_delete_elem(stacks.as_raw_fd(), (id as *const u32).cast());
         }
     }
-    Ok(out)
 }
 
 fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
