@@ -1,7 +1,7 @@
 //! Batches from the sampler, read into owned values with every list checked against
 //! the schema's limits. Anything over a limit rejects the whole batch.
 
-use firn_schema::firn_capnp::{batch, StackStatus, UnwindEnd};
+use firn_schema::firn_capnp::{self, batch, StackStatus, UnwindEnd};
 use firn_schema::limits;
 use serde::Serialize;
 
@@ -147,7 +147,34 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         })
         .collect::<Result<Vec<_>, DecodeError>>()?;
 
-    let procs = b.get_processes()?;
+    let processes = processes(b.get_processes()?)?;
+    let samples = samples(b.get_samples()?, kernel_symbols.len())?;
+    let forgotten = b.get_forgotten_processes()?;
+    check(
+        "forgotten processes",
+        forgotten.len(),
+        limits::MAX_PROCESSES,
+    )?;
+    Ok(Batch {
+        forgotten_processes: forgotten.iter().collect(),
+        session_id: b.get_session_id(),
+        round: b.get_round(),
+        start_time_ns: b.get_start_time_ns(),
+        end_time_ns: b.get_end_time_ns(),
+        frequency_hz: b.get_frequency_hz(),
+        dropped_batches: b.get_dropped_batches(),
+        tables_evicted: b.get_unwind_tables_evicted(),
+        processes,
+        samples,
+        kernel_symbols,
+        counters: counters(b.get_counters()?)?,
+    })
+}
+
+/// The batch's process records, every list and field within its bound.
+fn processes(
+    procs: capnp::struct_list::Reader<'_, firn_capnp::process::Owned>,
+) -> Result<Vec<Process>, DecodeError> {
     check("processes", procs.len(), limits::MAX_PROCESSES)?;
     let mut processes = Vec::with_capacity(procs.len() as usize);
     for p in procs.iter() {
@@ -187,7 +214,14 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         });
     }
 
-    let list = b.get_samples()?;
+    Ok(processes)
+}
+
+/// The batch's samples; kernel frames must index the batch's `symbols` symbols.
+fn samples(
+    list: capnp::struct_list::Reader<'_, firn_capnp::sample::Owned>,
+    symbols: usize,
+) -> Result<Vec<Sample>, DecodeError> {
     check("samples", list.len(), limits::MAX_SAMPLES)?;
     let mut samples = Vec::with_capacity(list.len() as usize);
     for s in list.iter() {
@@ -196,13 +230,10 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         let kernel = s.get_kernel_frames()?;
         check("kernel frames", kernel.len(), limits::MAX_FRAMES)?;
         let kernel_frames: Vec<u32> = kernel.iter().collect();
-        if let Some(&index) = kernel_frames
-            .iter()
-            .find(|&&i| i as usize >= kernel_symbols.len())
-        {
+        if let Some(&index) = kernel_frames.iter().find(|&&i| i as usize >= symbols) {
             return Err(DecodeError::BadSymbol {
                 index,
-                len: kernel_symbols.len(),
+                len: symbols,
             });
         }
         samples.push(Sample {
@@ -222,24 +253,5 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
             },
         });
     }
-    let forgotten = b.get_forgotten_processes()?;
-    check(
-        "forgotten processes",
-        forgotten.len(),
-        limits::MAX_PROCESSES,
-    )?;
-    Ok(Batch {
-        forgotten_processes: forgotten.iter().collect(),
-        session_id: b.get_session_id(),
-        round: b.get_round(),
-        start_time_ns: b.get_start_time_ns(),
-        end_time_ns: b.get_end_time_ns(),
-        frequency_hz: b.get_frequency_hz(),
-        dropped_batches: b.get_dropped_batches(),
-        tables_evicted: b.get_unwind_tables_evicted(),
-        processes,
-        samples,
-        kernel_symbols,
-        counters: counters(b.get_counters()?)?,
-    })
+    Ok(samples)
 }
