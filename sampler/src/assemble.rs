@@ -100,56 +100,20 @@ pub(crate) fn assemble(
     (start_time_ns, end_time_ns): (u64, u64),
     counters: &Counters,
 ) -> RoundData {
-    let mut symbols: Vec<Rc<[u8]>> = Vec::new();
-    let mut symbol_index: HashMap<Option<u32>, u32> = HashMap::new();
-    let mut user_stacks: HashMap<u64, Rc<[u64]>> = HashMap::new();
-    let mut kernel_stacks: HashMap<u32, Vec<u32>> = HashMap::new();
+    let mut stacks = Stacks {
+        kallsyms,
+        counters,
+        symbols: Vec::new(),
+        symbol_index: HashMap::new(),
+        user: HashMap::new(),
+        kernel: HashMap::new(),
+        empty: Rc::from(Vec::new()),
+    };
     let mut processes: HashMap<u64, Issued> = HashMap::new();
-    let empty: Rc<[u64]> = Rc::from(Vec::new());
     let mut samples = Vec::with_capacity(drained.samples.len());
-
     for raw in &drained.samples {
-        let user = match raw.user {
-            UserRef::Hash(id) => match drained.user_stacks.get(&id) {
-                Some(frames) => user_stacks
-                    .entry(id)
-                    .or_insert_with(|| {
-                        let kept = user_prefix(frames);
-                        if kept.len() < frames.len() {
-                            bump(&counters.user_stacks_truncated);
-                        }
-                        Rc::from(kept)
-                    })
-                    .clone(),
-                None => empty.clone(),
-            },
-            UserRef::Err(_) => empty.clone(),
-        };
-        let kernel = match raw.kernel {
-            StackRef::Id(id) => match drained.stacks.get(&id) {
-                Some(frames) => kernel_stacks
-                    .entry(id)
-                    .or_insert_with(|| {
-                        frames
-                            .iter()
-                            .map(|&addr| {
-                                let sym = kallsyms.lookup(addr);
-                                if sym.is_none() {
-                                    bump(&counters.kernel_frames_unresolved);
-                                }
-                                *symbol_index.entry(sym).or_insert_with(|| {
-                                    let name = sym.map_or(UNKNOWN_KERNEL, |i| kallsyms.name(i));
-                                    symbols.push(Rc::from(name));
-                                    (symbols.len() - 1) as u32
-                                })
-                            })
-                            .collect()
-                    })
-                    .clone(),
-                None => Vec::new(),
-            },
-            StackRef::Err(_) => Vec::new(),
-        };
+        let user = stacks.user(raw.user, &drained);
+        let kernel = stacks.kernel(raw.kernel, &drained);
         let key = crate::processes::ProcKey {
             tgid: raw.tgid,
             start_ns: raw.start_ns,
@@ -186,8 +150,72 @@ pub(crate) fn assemble(
         start_time_ns,
         end_time_ns,
         samples,
-        kernel_symbols: symbols,
+        kernel_symbols: stacks.symbols,
         processes: processes.into_values().collect(),
+    }
+}
+
+/// The round's stacks, each made once however many samples share it, and the kernel
+/// symbol names they index.
+struct Stacks<'a> {
+    kallsyms: &'a Kallsyms,
+    counters: &'a Counters,
+    symbols: Vec<Rc<[u8]>>,
+    symbol_index: HashMap<Option<u32>, u32>,
+    user: HashMap<u64, Rc<[u64]>>,
+    kernel: HashMap<u32, Vec<u32>>,
+    empty: Rc<[u64]>,
+}
+
+impl Stacks<'_> {
+    /// A sample's user frames, up to the first address that is not user code.
+    fn user(&mut self, r: UserRef, drained: &Drained) -> Rc<[u64]> {
+        let UserRef::Hash(id) = r else {
+            return self.empty.clone();
+        };
+        let Some(frames) = drained.user_stacks.get(&id) else {
+            return self.empty.clone();
+        };
+        let counters = self.counters;
+        self.user
+            .entry(id)
+            .or_insert_with(|| {
+                let kept = user_prefix(frames);
+                if kept.len() < frames.len() {
+                    bump(&counters.user_stacks_truncated);
+                }
+                Rc::from(kept)
+            })
+            .clone()
+    }
+
+    /// A sample's kernel frames as indices into the round's symbol names.
+    fn kernel(&mut self, r: StackRef, drained: &Drained) -> Vec<u32> {
+        let StackRef::Id(id) = r else {
+            return Vec::new();
+        };
+        let Some(frames) = drained.stacks.get(&id) else {
+            return Vec::new();
+        };
+        if let Some(k) = self.kernel.get(&id) {
+            return k.clone();
+        }
+        let names: Vec<u32> = frames.iter().map(|&addr| self.symbol(addr)).collect();
+        self.kernel.insert(id, names.clone());
+        names
+    }
+
+    fn symbol(&mut self, addr: u64) -> u32 {
+        let sym = self.kallsyms.lookup(addr);
+        if sym.is_none() {
+            bump(&self.counters.kernel_frames_unresolved);
+        }
+        let (kallsyms, symbols) = (self.kallsyms, &mut self.symbols);
+        *self.symbol_index.entry(sym).or_insert_with(|| {
+            let name = sym.map_or(UNKNOWN_KERNEL, |i| kallsyms.name(i));
+            symbols.push(Rc::from(name));
+            (symbols.len() - 1) as u32
+        })
     }
 }
 
