@@ -97,17 +97,18 @@ impl Enricher {
                 return State::Retry(round + 1);
             }
         };
-        let t0 = std::time::Instant::now();
         let built = crate::unwind::map_fd(fd).and_then(|map| {
             if crate::python::might_be_cpython(path) {
                 self.note_interpreter(&map, path);
             }
-            crate::unwind::build_from_map(&map)
+            let t0 = std::time::Instant::now();
+            let built = crate::unwind::build_from_map(&map);
+            Metrics::add(
+                &m.unwind_table_build_ns,
+                u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            );
+            built
         });
-        Metrics::add(
-            &m.unwind_table_build_ns,
-            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
-        );
         let table = match built {
             Ok(t) if !t.rows.is_empty() => t,
             Ok(_) | Err(_) => {

@@ -4,9 +4,8 @@
 //! check again wherever the headers are installed); 3.13 on describe themselves in
 //! `_Py_DebugOffsets`, the first member of `_PyRuntime`, which is read from the file.
 
-/// Largest structure offset the BPF walk accepts: every read stays within a page or two
-/// of the object it starts from.
-pub(crate) const MAX_OFFSET: u64 = 8192;
+/// Largest structure offset the BPF walk accepts (the sampler's record rule).
+const MAX_OFFSET: u64 = firn_schema::python_record::MAX_OFFSET as u64;
 
 /// How one eval call's Python frames end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
