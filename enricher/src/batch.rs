@@ -85,6 +85,9 @@ pub struct Batch {
     pub(crate) forgotten_processes: Vec<u64>,
     /// Unwind tables the sampler evicted, in all.
     pub(crate) tables_evicted: u64,
+    /// Python code objects' names as the BPF walk copied them (decoded by
+    /// `python::names`, which bounds each).
+    pub(crate) python_code: Vec<Vec<u8>>,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -149,6 +152,20 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
 
     let processes = processes(b.get_processes()?)?;
     let samples = samples(b.get_samples()?, kernel_symbols.len())?;
+    let code = b.get_python_code()?;
+    check("python code blobs", code.len(), limits::MAX_PYTHON_CODES)?;
+    let python_code = code
+        .iter()
+        .map(|c| {
+            let c = c?;
+            check(
+                "python code bytes",
+                c.len() as u32,
+                limits::PYTHON_CODE_MAX_BYTES,
+            )?;
+            Ok(c.to_vec())
+        })
+        .collect::<Result<Vec<_>, DecodeError>>()?;
     let forgotten = b.get_forgotten_processes()?;
     check(
         "forgotten processes",
@@ -168,6 +185,7 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         samples,
         kernel_symbols,
         counters: counters(b.get_counters()?)?,
+        python_code,
     })
 }
 

@@ -7,7 +7,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use firn_schema::firn_capnp::{open_result, subscription, table_result, Refusal, TableRefusal};
+use firn_schema::firn_capnp::{
+    interpreter_result, open_result, subscription, table_result, InterpreterRefusal, Refusal,
+    TableRefusal,
+};
 use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
@@ -36,6 +39,8 @@ pub(crate) struct Broker {
     stray: RefCell<u64>,
     /// Unwind tables sent on this subscription (they last as long as it does).
     pub(crate) tables: RefCell<crate::unwind::Sent>,
+    /// Interpreter records sent on this subscription: process id → mappings version.
+    pub(crate) interpreters: RefCell<std::collections::HashMap<u64, u32>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +48,14 @@ pub(crate) enum TableSendError {
     #[error("the sampler refused the table: {0:?}")]
     Refused(TableRefusal),
     #[error("table call failed: {0}")]
+    Rpc(#[from] capnp::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum InterpreterSendError {
+    #[error("the sampler refused the interpreter: {0:?}")]
+    Refused(InterpreterRefusal),
+    #[error("interpreter call failed: {0}")]
     Rpc(#[from] capnp::Error),
 }
 
@@ -69,6 +82,7 @@ impl Broker {
             busy: tokio::sync::Mutex::new(()),
             stray: RefCell::new(0),
             tables: RefCell::new(crate::unwind::Sent::default()),
+            interpreters: RefCell::default(),
         })
     }
 
@@ -110,6 +124,35 @@ impl Broker {
             }
         }
         Ok(())
+    }
+
+    /// Tells the sampler where process `process_id`'s CPython interpreter is: the
+    /// 128-byte `record` for the file of its mapping `index`, which holds the eval loop.
+    pub(crate) async fn load_interpreter(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        record: &[u8],
+    ) -> Result<(), InterpreterSendError> {
+        let mut req = self.subscription.load_interpreter_request();
+        let mut p = req.get();
+        p.set_process_id(process_id);
+        p.set_mapping_index(index);
+        p.set_mappings_version(version);
+        p.set_record(record);
+        let reply = req.send().promise.await?;
+        match reply
+            .get()?
+            .get_result()?
+            .which()
+            .map_err(capnp::Error::from)?
+        {
+            interpreter_result::Done(()) => Ok(()),
+            interpreter_result::Refused(r) => Err(InterpreterSendError::Refused(
+                r.unwrap_or(InterpreterRefusal::Invalid),
+            )),
+        }
     }
 
     /// The file of mapping `index` (as of `version`) of process `process_id`.

@@ -50,6 +50,8 @@ pub(crate) struct RoundData {
     pub(crate) kernel_symbols: Vec<Rc<[u8]>>,
     /// Every process the samples refer to, as of this round.
     pub(crate) processes: Vec<Issued>,
+    /// Python code objects' names, as the walk copied them (opaque here).
+    pub(crate) python_code: Vec<Vec<u8>>,
 }
 
 const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
@@ -63,11 +65,12 @@ const USER_SPACE_END: u64 = 1 << 47;
 #[cfg(not(target_arch = "x86_64"))]
 const USER_SPACE_END: u64 = 1 << 52;
 
-/// The plausible prefix of a user stack.
+/// The plausible prefix of a user stack: user addresses and the walk's Python frames.
 fn user_prefix(frames: &[u64]) -> &[u64] {
+    use firn_schema::python_record::frame::is_python;
     let n = frames
         .iter()
-        .position(|&a| a == 0 || a >= USER_SPACE_END)
+        .position(|&a| a == 0 || (a >= USER_SPACE_END && !is_python(a)))
         .unwrap_or(frames.len());
     &frames[..n]
 }
@@ -152,6 +155,7 @@ pub(crate) fn assemble(
         samples,
         kernel_symbols: stacks.symbols,
         processes: processes.into_values().collect(),
+        python_code: drained.python_code,
     }
 }
 

@@ -89,7 +89,9 @@ impl crate::rounds::MapSets for Sampling {
                 maps.ustacks_1.as_fd(),
             )
         };
-        crate::drain::drain(counts, stacks, ustacks)
+        let mut d = crate::drain::drain(counts, stacks, ustacks)?;
+        crate::drain::take_python_code(maps.pycode.as_fd(), &mut d);
+        Ok(d)
     }
 
     fn counter(&self, slot: firn_sampler_bpf::types::firn_counter) -> Option<u64> {
@@ -196,9 +198,12 @@ pub(crate) fn load_and_attach(
     // skeleton the round loop holds.
     let dup = |m: &libbpf_rs::Map<'_>| m.as_fd().try_clone_to_owned().map_err(AttachError::MapFd);
     let unwind = Unwind::new(
-        dup(&skel.maps.rows)?,
-        dup(&skel.maps.tables)?,
-        dup(&skel.maps.procmaps)?,
+        (
+            dup(&skel.maps.rows)?,
+            dup(&skel.maps.tables)?,
+            dup(&skel.maps.procmaps)?,
+        ),
+        (dup(&skel.maps.pyprocs)?, dup(&skel.maps.pyseen)?),
         limits,
         counters,
     );

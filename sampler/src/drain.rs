@@ -76,6 +76,10 @@ pub(crate) struct Drained {
     pub(crate) user_stacks: HashMap<u64, Vec<u64>>,
     /// Stacks referenced but not found in the stack map.
     pub(crate) stack_lookup_failures: u64,
+    /// Python code objects' names copied since the last drain (Batch.pythonCode).
+    pub(crate) python_code: Vec<Vec<u8>>,
+    /// Entries of the code map that could not be read out.
+    pub(crate) python_code_failures: u64,
 }
 
 fn parse_key(k: &[u8]) -> Option<RawSample> {
@@ -141,6 +145,101 @@ pub(crate) fn drain(
     take_user_stacks(ustacks, &mut out, &mut frames);
     take_kernel_stacks(stacks, &mut out, &mut frames);
     Ok(out)
+}
+
+/// Takes every entry out of a hash map in batches of `batch`, handing each (key, value)
+/// to `f`, at most `max` entries (the rest stay for the next call). Returns the
+/// entries taken and whether a batch failed (counted by the caller).
+pub(crate) fn take_all(
+    map: BorrowedFd<'_>,
+    (key_size, value_size): (usize, usize),
+    (batch, max): (usize, usize),
+    mut f: impl FnMut(&[u8], &[u8]),
+) -> (usize, bool) {
+    let mut keys = vec![0u8; batch * key_size];
+    let mut values = vec![0u8; batch * value_size];
+    let mut token = vec![0u8; key_size];
+    let mut out_token = vec![0u8; key_size];
+    let (mut taken, mut first) = (0, true);
+    while taken < max {
+        let mut n = batch as u32;
+        let opts = batch_opts();
+        let in_batch = if first {
+            std::ptr::null_mut()
+        } else {
+            token.as_mut_ptr().cast()
+        };
+        // SAFETY: the buffers hold `batch` keys and values of the map's sizes, the
+        // tokens one key each; the kernel writes at most `n` entries.
+        let ret = unsafe {
+            libbpf_sys::bpf_map_lookup_and_delete_batch(
+                map.as_raw_fd(),
+                in_batch,
+                out_token.as_mut_ptr().cast(),
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                &mut n,
+                &opts,
+            )
+        };
+        let done = match -ret {
+            0 => false,
+            libc::ENOENT => true,
+            libc::EINTR => continue,
+            _ => return (taken, true),
+        };
+        for i in 0..(n as usize).min(batch) {
+            f(
+                &keys[i * key_size..(i + 1) * key_size],
+                &values[i * value_size..(i + 1) * value_size],
+            );
+        }
+        taken += n as usize;
+        if done {
+            break;
+        }
+        token.copy_from_slice(&out_token);
+        first = false;
+    }
+    (taken, false)
+}
+
+/// Every entry of the Python walk's code map, taken out, cut to the lengths the walk
+/// wrote (each clamped to its array: the bytes themselves are the process's and are
+/// never looked at). Called after the set's grace period: a sample's code objects were
+/// copied before it was counted, so they are all in by then.
+pub(crate) fn take_python_code(pycode: BorrowedFd<'_>, out: &mut Drained) {
+    use firn_sampler_bpf::types::firn_py_code;
+    use firn_schema::python_record::{frame, CodeBlob};
+    let size = std::mem::size_of::<firn_py_code>();
+    let max = firn_schema::limits::MAX_PYTHON_CODES as usize;
+    let (_, failed) = take_all(pycode, (8, size), (32, max), |_, v| {
+        // SAFETY: `v` holds size_of::<firn_py_code>() bytes, read unaligned; the type is
+        // plain integers and byte arrays, valid for any bit pattern.
+        let v: firn_py_code = unsafe { std::ptr::read_unaligned(v.as_ptr().cast()) };
+        let cut = |b: &[u8], n: u16| b[..usize::from(n).min(b.len())].to_vec();
+        // The walk's arrays are C chars: bytes, whatever their sign.
+        let name: Vec<u8> = v.name.iter().map(|&c| c as u8).collect();
+        let file: Vec<u8> = v.file.iter().map(|&c| c as u8).collect();
+        let (name, file, table) = (
+            cut(&name, v.name_len),
+            cut(&file, v.file_len),
+            cut(&v.table, v.table_len),
+        );
+        let blob = CodeBlob {
+            id: v.id & frame::ID_MASK,
+            first_line: v.first_line,
+            minor: v.minor,
+            flags: v.flags,
+            name: &name,
+            file: &file,
+            table: &table,
+        };
+        out.python_code.push(blob.to_bytes());
+    });
+    if failed {
+        out.python_code_failures += 1;
+    }
 }
 
 /// Every sample key and count, taken out of the counts map in batches.

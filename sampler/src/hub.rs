@@ -286,6 +286,7 @@ mod tests {
             samples: Vec::new(),
             kernel_symbols: Vec::new(),
             processes,
+            python_code: Vec::new(),
         })
     }
 

@@ -108,6 +108,22 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
         ),
         (K::FIRN_CTR_TABLE_FRAMES, &c.bpf_unwind_table_frames, None),
         (K::FIRN_CTR_FP_FRAMES, &c.bpf_unwind_fp_frames, None),
+        (K::FIRN_CTR_PY_FRAMES, &c.bpf_python_frames, None),
+        (K::FIRN_CTR_PY_NO_THREAD, &c.bpf_python_no_thread, None),
+        (
+            K::FIRN_CTR_PY_READ_FAULT,
+            &c.bpf_python_read_faults,
+            Some("bpf_python_read_faults"),
+        ),
+        (K::FIRN_CTR_PY_NOT_CODE, &c.bpf_python_not_code, None),
+        (K::FIRN_CTR_PY_BAD_TYPES, &c.bpf_python_bad_types, None),
+        (K::FIRN_CTR_PY_CODE_COPIED, &c.bpf_python_code_copied, None),
+        (
+            K::FIRN_CTR_PY_CODE_FULL,
+            &c.bpf_python_code_full,
+            Some("bpf_python_code_full"),
+        ),
+        (K::FIRN_CTR_LOOP_BUDGET, &c.bpf_unwind_step_budget, None),
     ];
     all.extend(ends);
     all
@@ -201,6 +217,8 @@ impl Rounds {
             }
         };
         add(&c.stack_lookup_failures, drained.stack_lookup_failures);
+        add(&c.python_code_drain_failures, drained.python_code_failures);
+        add(&c.python_code_forwarded, drained.python_code.len() as u64);
         if drained.stack_lookup_failures > 0 {
             tracing::warn!(
                 round = self.round,
@@ -396,6 +414,7 @@ mod tests {
             user_stacks: stacks,
             stacks: HashMap::new(),
             stack_lookup_failures: 1,
+            ..Drained::default()
         }));
         m.counters.insert(firn_counter::FIRN_CTR_SAMPLES.0, 4);
         m.counters.insert(firn_counter::FIRN_CTR_COUNTS_FULL.0, 2);

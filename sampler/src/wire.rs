@@ -71,6 +71,12 @@ pub(crate) fn fill_batch(
     for (i, p) in processes.iter().enumerate() {
         fill_process(procs.reborrow().get(len32(i)), p);
     }
+    let mut code = b
+        .reborrow()
+        .init_python_code(len32(round.python_code.len()));
+    for (i, blob) in round.python_code.iter().enumerate() {
+        code.set(len32(i), blob);
+    }
     let mut samples = b.init_samples(len32(round.samples.len()));
     for (i, s) in round.samples.iter().enumerate() {
         let mut w: sample::Builder<'_> = samples.reborrow().get(len32(i));

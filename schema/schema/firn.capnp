@@ -4,7 +4,7 @@
 # something within one sampler session. No kernel address is ever carried: kernel
 # frames travel as indices into a per-batch table of names.
 
-const protocolVersion :UInt32 = 2;
+const protocolVersion :UInt32 = 3;
 
 interface Sampler {
   info @0 (protocolVersion :UInt32) -> (info :Info);
@@ -51,6 +51,37 @@ interface Subscription {
   # applies to that file in every process and lasts while this subscription does. A
   # malformed chunk closes the connection; a chunk for another file than the pending
   # one abandons the pending table.
+
+  loadInterpreter @2 (processId :UInt64, mappingIndex :UInt32, mappingsVersion :UInt32,
+                      record :Data) -> (result :InterpreterResult);
+  # Tells the BPF walk where the CPython interpreter of a process this subscription
+  # received is: `record` is the 128-byte record of firn_schema::python_record, for the
+  # file behind mapping `mappingIndex`, which holds the record's eval loop. The sampler
+  # checks every field (known version, that version's standard layout, addresses in
+  # user space near the mapping, the eval loop inside it) and places the addresses in
+  # the process; the walk still checks in the process's memory that what it reads is
+  # the interpreter's code, str and bytes objects. It applies to that process while it
+  # lives and this subscription provides the tables.
+}
+
+const pythonRecordBytes :UInt32 = 128;
+
+struct InterpreterResult {
+  union {
+    done @0 :Void;
+    refused @1 :InterpreterRefusal;
+  }
+}
+
+enum InterpreterRefusal {
+  unknownProcess @0;      # forgotten, or never sent to this subscription
+  unknownMapping @1;
+  invalid @2;             # a field failed the record's check (counted by reason)
+  outsideMapping @3;      # the eval loop or an object lies outside the mapping's reach
+  notOwner @4;            # another subscription provides the tables
+  rateLimited @5;
+  noRoom @6;              # the interpreter map is full
+  disabled @7;            # the sampler runs without the unwinder
 }
 
 const unwindRowBytes :UInt32 = 8;
@@ -133,7 +164,17 @@ struct Batch {
   unwindTablesEvicted @11 :UInt64;
   # Unwind tables the sampler removed to make room, in all (cumulative): a subscriber
   # that sent tables sends those again when their files are mapped again.
+  pythonCode @12 :List(Data);
+  # What names the Python code objects the BPF walk met for the first time, each as it
+  # copied it from the process (the sampler reads only the three lengths, to cut the
+  # unused bytes): 24 bytes of header, id (UInt64, the code id of the frames that name
+  # it), firstLine (UInt32), nameLen, fileLen, tableLen (UInt16), minor, flags (UInt8),
+  # 4 zero bytes; then the qualname, the file name and the line table bytes. Each is at
+  # most pythonCodeMaxBytes; untrusted content from the profiled process.
 }
+
+const pythonCodeMaxBytes :UInt32 = 3992;
+const maxPythonCodes :UInt32 = 2048;
 
 struct Process {
   processId @0 :UInt64;          # identity of (pid, startTimeNs) within the session
@@ -184,6 +225,9 @@ enum UnwindEnd {
 }
 
 struct Sample {
+  # A user frame with bit 63 set and bit 62 clear is a Python frame: a code id (bits 20
+  # to 61, see Batch.pythonCode) and an instruction index (bits 0 to 19, in 2-byte code
+  # units), in the place of the eval loop's native frame that ran it.
   processId @0 :UInt64;          # 0 when no process record exists (see `complete`)
   pid @1 :UInt32;
   tid @2 :UInt32;

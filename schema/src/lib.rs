@@ -45,6 +45,9 @@ pub mod limits {
     pub const MAX_COUNTERS: u32 = 256;
     /// Rows in one loadUnwindTable chunk (256 KiB: well within the sampler's reader).
     pub const MAX_TABLE_CHUNK_ROWS: u32 = crate::firn_capnp::MAX_TABLE_CHUNK_ROWS;
+    /// Python code blobs in one batch, and bytes of one.
+    pub const MAX_PYTHON_CODES: u32 = crate::firn_capnp::MAX_PYTHON_CODES;
+    pub const PYTHON_CODE_MAX_BYTES: u32 = crate::firn_capnp::PYTHON_CODE_MAX_BYTES;
 }
 
 /// The unwind row of `loadUnwindTable` (8 bytes, little-endian): the enricher builds

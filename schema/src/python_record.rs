@@ -22,6 +22,44 @@ pub const USER_END: u64 = 1 << 47;
 /// `cframe` absent.
 pub const NONE: u16 = u16::MAX;
 
+/// The offsets (in [`Record`]'s wire order: runtime_interpreters, interp_threads_head,
+/// tstate_next, tstate_thread_id, tstate_frame, cframe_frame, frame_previous,
+/// frame_code, frame_instr, boundary_offset, code_adaptive, code_size, code_filename,
+/// code_name, code_linetable, code_firstlineno, object_type, type_name, str_state,
+/// str_length, str_ascii_data, bytes_size, bytes_data) of each version's standard
+/// (non-debug, GIL) build, checked by the enricher's tests against the headers of
+/// 3.10.13, 3.11.2, 3.11.7, 3.12.1 and 3.13.0's `_Py_DebugOffsets`.
+pub const LAYOUTS: [(u8, [u16; 23]); 4] = [
+    (
+        10,
+        [
+            40, 8, 8, 176, 24, NONE, 24, 32, 96, 0, 0, 176, 104, 112, 120, 40, 8, 24, 32, 16, 48,
+            16, 32,
+        ],
+    ),
+    (
+        11,
+        [
+            48, 16, 8, 152, 56, 8, 48, 32, 56, 68, 184, 192, 112, 128, 136, 72, 8, 24, 32, 16, 48,
+            16, 32,
+        ],
+    ),
+    (
+        12,
+        [
+            48, 72, 8, 136, 56, 0, 8, 0, 56, 70, 192, 200, 112, 128, 136, 68, 8, 24, 32, 16, 40,
+            16, 32,
+        ],
+    ),
+    (
+        13,
+        [
+            632, 7344, 8, 152, 72, NONE, 8, 0, 56, 70, 200, 208, 112, 128, 136, 68, 8, 24, 32, 16,
+            40, 16, 32,
+        ],
+    ),
+];
+
 /// How the bytecode position is kept.
 pub const POSITION_LASTI: u8 = 0;
 pub const POSITION_POINTER: u8 = 1;
@@ -86,6 +124,8 @@ pub enum Invalid {
     EvalRange,
     Offset,
     Alignment,
+    /// Offsets that are not those of the version's standard build (see [`LAYOUTS`]).
+    Layout,
 }
 
 impl Invalid {
@@ -98,6 +138,7 @@ impl Invalid {
             Self::EvalRange => "eval_range",
             Self::Offset => "offset",
             Self::Alignment => "alignment",
+            Self::Layout => "layout",
         }
     }
 }
@@ -251,7 +292,23 @@ impl Record {
         {
             return Err(Invalid::EvalRange);
         }
-        self.check_offsets()
+        self.check_offsets()?;
+        self.check_layout()
+    }
+
+    /// The offsets must be exactly those of the version's standard build: a record can
+    /// then only say where an interpreter's objects are, never which of their bytes the
+    /// walk copies (a lying offset could aim a name's copy at a neighbour's bytes).
+    fn check_layout(&self) -> Result<(), Invalid> {
+        let want = LAYOUTS
+            .iter()
+            .find(|(m, _)| *m == self.minor)
+            .map(|(_, o)| o);
+        if want == Some(&self.offsets()) {
+            Ok(())
+        } else {
+            Err(Invalid::Layout)
+        }
     }
 
     fn check_rules(&self) -> Result<(), Invalid> {
@@ -429,11 +486,155 @@ mod tests {
             (|r| r.type_name = 25, Invalid::Alignment),
             (|r| r.frame_instr = 60, Invalid::Alignment),
             (|r| r.code_firstlineno = 66, Invalid::Alignment),
+            (|r| r.str_ascii_data = 48, Invalid::Layout),
+            (|r| r.code_name = 120, Invalid::Layout),
         ];
         for (i, (lie, why)) in lies.iter().enumerate() {
             let mut r = v3_12();
             lie(&mut r);
             assert_eq!(r.check(), Err(*why), "lie {i}: {r:?}");
         }
+    }
+}
+
+/// Python frames in user stacks (the BPF walk's tagged entries).
+pub mod frame {
+    /// Bit 63 set, bit 62 clear: no user address has either bit, no kernel address
+    /// has this pair.
+    pub const TAG: u64 = 1 << 63;
+    const TAG_MASK: u64 = 3 << 62;
+    pub const INDEX_BITS: u32 = 20;
+    pub const ID_MASK: u64 = (1 << 42) - 1;
+
+    pub fn is_python(entry: u64) -> bool {
+        entry & TAG_MASK == TAG
+    }
+
+    /// The code id and the instruction index (2-byte code units) of a Python frame.
+    pub fn parts(entry: u64) -> (u64, u32) {
+        (
+            (entry >> INDEX_BITS) & ID_MASK,
+            (entry & ((1 << INDEX_BITS) - 1)) as u32,
+        )
+    }
+}
+
+/// One code object's names as the BPF walk copied them (Batch.pythonCode).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodeBlob<'a> {
+    pub id: u64,
+    pub first_line: u32,
+    pub minor: u8,
+    pub flags: u8,
+    pub name: &'a [u8],
+    pub file: &'a [u8],
+    pub table: &'a [u8],
+}
+
+/// Header bytes of a code blob.
+pub const CODE_HEADER_BYTES: usize = 24;
+/// The walk's bounds on each part (profile.bpf.h's FIRN_PY_*_BYTES).
+pub const CODE_NAME_BYTES: usize = 128;
+pub const CODE_FILE_BYTES: usize = 256;
+pub const CODE_TABLE_BYTES: usize = 3584;
+
+/// Flags of a blob (profile.bpf.h's FIRN_PY_* flags).
+pub mod code_flags {
+    pub const NAME_CUT: u8 = 1;
+    pub const FILE_CUT: u8 = 2;
+    pub const TABLE_CUT: u8 = 4;
+    pub const NOT_ASCII: u8 = 8;
+    pub const NOT_STR: u8 = 16;
+    pub const NOT_BYTES: u8 = 32;
+}
+
+impl<'a> CodeBlob<'a> {
+    /// The wire form: the header, then the three parts.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(
+            CODE_HEADER_BYTES + self.name.len() + self.file.len() + self.table.len(),
+        );
+        b.extend_from_slice(&self.id.to_le_bytes());
+        b.extend_from_slice(&self.first_line.to_le_bytes());
+        for part in [self.name, self.file, self.table] {
+            b.extend_from_slice(&(part.len() as u16).to_le_bytes());
+        }
+        b.extend_from_slice(&[self.minor, self.flags, 0, 0, 0, 0]);
+        b.extend_from_slice(self.name);
+        b.extend_from_slice(self.file);
+        b.extend_from_slice(self.table);
+        b
+    }
+
+    /// Reads a blob; `None` when its lengths are over the walk's bounds or disagree
+    /// with its size, or its reserved bytes are set.
+    pub fn parse(b: &'a [u8]) -> Option<Self> {
+        let head = b.get(..CODE_HEADER_BYTES)?;
+        let u16_at = |i: usize| usize::from(u16::from_le_bytes([head[i], head[i + 1]]));
+        let (n, f, t) = (u16_at(12), u16_at(14), u16_at(16));
+        if n > CODE_NAME_BYTES
+            || f > CODE_FILE_BYTES
+            || t > CODE_TABLE_BYTES
+            || head[20..].iter().any(|x| *x != 0)
+            || b.len() != CODE_HEADER_BYTES + n + f + t
+        {
+            return None;
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&head[..8]);
+        let id = u64::from_le_bytes(id);
+        if id & !frame::ID_MASK != 0 {
+            return None;
+        }
+        let body = &b[CODE_HEADER_BYTES..];
+        Some(Self {
+            id,
+            first_line: u32::from_le_bytes([head[8], head[9], head[10], head[11]]),
+            minor: head[18],
+            flags: head[19],
+            name: &body[..n],
+            file: &body[n..n + f],
+            table: &body[n + f..],
+        })
+    }
+}
+
+#[cfg(test)]
+mod blob_tests {
+    use super::*;
+
+    #[test]
+    fn blobs_round_trip_and_lies_are_refused() {
+        let blob = CodeBlob {
+            id: 42,
+            first_line: 7,
+            minor: 12,
+            flags: code_flags::TABLE_CUT,
+            name: b"K.method",
+            file: b"/srv/app.py",
+            table: &[1, 2, 3],
+        };
+        let b = blob.to_bytes();
+        assert_eq!(CodeBlob::parse(&b), Some(blob.clone()));
+        assert_eq!(CodeBlob::parse(&b[..b.len() - 1]), None, "short");
+        let mut long = b.clone();
+        long.push(0);
+        assert_eq!(CodeBlob::parse(&long), None, "trailing bytes");
+        let mut lie = b.clone();
+        lie[12] = 200;
+        assert_eq!(CodeBlob::parse(&lie), None, "name over its bound");
+        let mut lie = b.clone();
+        lie[7] = 0xff;
+        assert_eq!(CodeBlob::parse(&lie), None, "id over 42 bits");
+        let mut lie = b;
+        lie[23] = 1;
+        assert_eq!(CodeBlob::parse(&lie), None, "reserved");
+        assert!(frame::is_python(frame::TAG | 42 << frame::INDEX_BITS | 5));
+        assert_eq!(
+            frame::parts(frame::TAG | 42 << frame::INDEX_BITS | 5),
+            (42, 5)
+        );
+        assert!(!frame::is_python(0xffff_ffff_8100_0000));
+        assert!(!frame::is_python(0x7fff_0000_0000));
     }
 }

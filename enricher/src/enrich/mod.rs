@@ -5,6 +5,7 @@
 //! [`SamplerLink`], so the steps are tested with a fake.
 
 mod binaries;
+mod python;
 mod stacks;
 mod tables;
 
@@ -14,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::batch::Batch;
-use crate::broker::{Broker, BrokerError, TableSendError};
+use crate::broker::{Broker, BrokerError, InterpreterSendError, TableSendError};
 use crate::labels::Labeler;
 use crate::metrics::Metrics;
 use crate::model::Round;
@@ -45,6 +46,15 @@ pub(crate) trait SamplerLink {
     ) -> Result<(), TableSendError>;
     /// The unwind tables sent on this subscription.
     fn tables(&self) -> &RefCell<crate::unwind::Sent>;
+    async fn load_interpreter(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        record: &[u8],
+    ) -> Result<(), InterpreterSendError>;
+    /// The interpreter records sent on this subscription: process id → mappings version.
+    fn interpreters(&self) -> &RefCell<std::collections::HashMap<u64, u32>>;
 }
 
 impl SamplerLink for Broker {
@@ -70,6 +80,20 @@ impl SamplerLink for Broker {
     fn tables(&self) -> &RefCell<crate::unwind::Sent> {
         &self.tables
     }
+
+    async fn load_interpreter(
+        &self,
+        process_id: u64,
+        index: u32,
+        version: u32,
+        record: &[u8],
+    ) -> Result<(), InterpreterSendError> {
+        Broker::load_interpreter(self, process_id, index, version, record).await
+    }
+
+    fn interpreters(&self) -> &RefCell<std::collections::HashMap<u64, u32>> {
+        &self.interpreters
+    }
 }
 
 pub struct Enricher {
@@ -80,6 +104,9 @@ pub struct Enricher {
     session: u64,
     /// Samples a process needs before its unwind tables are built and sent.
     pub(crate) unwind_min_samples: u64,
+    /// CPython interpreter files analysed (device, inode → record), and the names of
+    /// the Python code objects the sampler forwarded.
+    pub(crate) python: python::Python,
 }
 
 fn dev_of(m: &crate::batch::Mapping) -> u64 {
@@ -95,6 +122,7 @@ impl Enricher {
             metrics,
             session: 0,
             unwind_min_samples: 1,
+            python: python::Python::default(),
         }
     }
 
@@ -104,6 +132,8 @@ impl Enricher {
         self.take_records(&batch);
         self.fetch_binaries(&batch, link).await;
         self.send_tables(&batch, link).await;
+        self.send_interpreters(&batch, link).await;
+        self.take_python_code(&batch);
         let resolved = self.symbolize(&batch);
         let stacks = self.stacks(&batch, &resolved);
         self.forget(&batch);
@@ -128,6 +158,7 @@ impl Enricher {
         if batch.session_id != self.session {
             self.session = batch.session_id;
             self.labeler.clear();
+            self.python.names.clear();
         }
         self.processes.set_session(batch.session_id);
         self.processes.update(batch.processes.clone(), batch.round);

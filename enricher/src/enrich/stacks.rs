@@ -165,6 +165,9 @@ impl Enricher {
         mappings: &mut HashMap<(u64, usize), Arc<MappingSpec>>,
     ) -> Frame {
         let m = &self.metrics;
+        if firn_schema::python_record::frame::is_python(addr) {
+            return self.python_frame(addr);
+        }
         let found = entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp)));
         let Some((e, idx, mp)) = found else {
             Metrics::inc(&m.frames_unsymbolized_no_mapping);
@@ -212,6 +215,32 @@ impl Enricher {
             mapping: Some(spec),
             address: addr,
             lines,
+        }
+    }
+}
+
+impl Enricher {
+    /// A Python frame: its function, file and line from the code object's names.
+    fn python_frame(&self, entry: u64) -> Frame {
+        let m = &self.metrics;
+        let line = match self.python.names.line(entry) {
+            Some(l) => {
+                Metrics::inc(&m.python_frames_named);
+                l
+            }
+            None => {
+                Metrics::inc(&m.python_frames_unnamed);
+                crate::model::Line {
+                    function: Arc::from("[python: unknown code]"),
+                    file: Arc::from(""),
+                    line: 0,
+                }
+            }
+        };
+        Frame::User {
+            mapping: Some(self.python.mapping()),
+            address: entry,
+            lines: Some(Arc::from([line])),
         }
     }
 }

@@ -68,21 +68,22 @@ impl Enricher {
             let version = e.record.mappings_version;
             let path = e.record.mappings[idx].path.clone();
             let state = self
-                .send_table(link, (pid_id, idx as u32, version), &path, round)
+                .send_table(link, (pid_id, idx as u32, version), (&path, file), round)
                 .await;
             link.tables().borrow_mut().set(file, state);
         }
     }
 
     async fn send_table<L: SamplerLink>(
-        &self,
+        &mut self,
         link: &L,
         (pid_id, idx, version): (u64, u32, u32),
-        path: &str,
+        (path, file): (&str, (u64, u64)),
         round: u64,
     ) -> crate::unwind::State {
         use crate::unwind::State;
-        let m = &self.metrics;
+        let metrics = self.metrics.clone();
+        let m = &*metrics;
         Metrics::inc(&m.broker_requests);
         let fd = match link.open(pid_id, idx, version).await {
             Ok(fd) => fd,
@@ -97,9 +98,10 @@ impl Enricher {
                 return State::Retry(round + 1);
             }
         };
+        let mut python = None;
         let built = crate::unwind::map_fd(fd).and_then(|map| {
             if crate::python::might_be_cpython(path) {
-                self.note_interpreter(&map, path);
+                python = Some(self.note_interpreter(&map, path));
             }
             let t0 = std::time::Instant::now();
             let built = crate::unwind::build_from_map(&map);
@@ -109,6 +111,9 @@ impl Enricher {
             );
             built
         });
+        if let Some(record) = python {
+            self.python.set_file(file, record);
+        }
         let table = match built {
             Ok(t) if !t.rows.is_empty() => t,
             Ok(_) | Err(_) => {
@@ -150,13 +155,18 @@ impl Enricher {
     }
 
     /// A CPython interpreter among a process's files: its version and layout, from the
-    /// file alone. Counted and logged; the BPF walk that will use it is issue 28's.
-    fn note_interpreter(&self, map: &[u8], path: &str) {
+    /// file alone, as the record the sampler takes. Counted and logged.
+    fn note_interpreter(
+        &self,
+        map: &[u8],
+        path: &str,
+    ) -> Option<firn_schema::python_record::Record> {
         let m = &self.metrics;
         match crate::symbolize::contained(|| crate::python::analyze(map, path)) {
             Some(Ok(i)) => {
                 Metrics::inc(&m.python_interpreters_found);
                 tracing::info!(path, version = %i.version, "CPython interpreter found");
+                return Some(i.to_record());
             }
             Some(Err(e)) if e.is_cpython() => {
                 Metrics::inc(&m.python_interpreters_unknown);
@@ -171,5 +181,6 @@ impl Enricher {
                 );
             }
         }
+        None
     }
 }

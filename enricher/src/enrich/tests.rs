@@ -18,6 +18,7 @@ struct FakeLink {
     opens: Cell<u32>,
     tables: RefCell<crate::unwind::Sent>,
     loaded_rows: Cell<usize>,
+    interpreters: RefCell<std::collections::HashMap<u64, u32>>,
 }
 
 impl SamplerLink for FakeLink {
@@ -41,6 +42,20 @@ impl SamplerLink for FakeLink {
 
     fn tables(&self) -> &RefCell<crate::unwind::Sent> {
         &self.tables
+    }
+
+    async fn load_interpreter(
+        &self,
+        _: u64,
+        _: u32,
+        _: u32,
+        _: &[u8],
+    ) -> Result<(), crate::broker::InterpreterSendError> {
+        Ok(())
+    }
+
+    fn interpreters(&self) -> &RefCell<std::collections::HashMap<u64, u32>> {
+        &self.interpreters
     }
 }
 

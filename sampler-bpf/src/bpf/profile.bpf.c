@@ -101,6 +101,8 @@ enum firn_rbp_kind unused_rbp_kind = FIRN_RBP_SAME;
 struct firn_unwind_row unused_row = {};
 struct firn_table unused_table = {};
 struct firn_proc_maps unused_proc_maps = {};
+struct firn_py_proc unused_py_proc = {};
+struct firn_py_code unused_py_code = {};
 
 static __always_inline void bump(__u32 idx)
 {

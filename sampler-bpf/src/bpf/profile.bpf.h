@@ -26,7 +26,16 @@ enum firn_counter {
 	FIRN_CTR_FP_FRAMES = 10,       /* user frames unwound by frame pointers (no row) */
 	/* Why each user stack ended: FIRN_CTR_END_BASE + enum firn_unwind_end. */
 	FIRN_CTR_END_BASE = 11,
-	FIRN_CTR_MAX = 20,
+	/* The Python walk (python.bpf.h). */
+	FIRN_CTR_PY_FRAMES = 20,       /* Python frames emitted */
+	FIRN_CTR_PY_NO_THREAD = 21,    /* no thread state or no current frame for the thread */
+	FIRN_CTR_PY_READ_FAULT = 22,   /* a frame or code object could not be read */
+	FIRN_CTR_PY_NOT_CODE = 23,     /* a frame's code is not of the record's code type */
+	FIRN_CTR_PY_BAD_TYPES = 24,    /* a process's record names types that are not CPython's */
+	FIRN_CTR_PY_CODE_COPIED = 25,  /* code objects' names copied for the sampler */
+	FIRN_CTR_PY_CODE_FULL = 26,    /* not copied: pycode full until the next drain */
+	FIRN_CTR_LOOP_BUDGET = 27,     /* the walk's step budget ran out (Python steps use it) */
+	FIRN_CTR_MAX = 28,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the
@@ -47,7 +56,7 @@ enum firn_unwind_end {
 				    * outside the stack window, unreadable memory */
 	FIRN_END_MAX = 9,
 };
-_Static_assert(FIRN_CTR_END_BASE + FIRN_END_MAX == FIRN_CTR_MAX, "one counter per end");
+_Static_assert(FIRN_CTR_END_BASE + FIRN_END_MAX == FIRN_CTR_PY_FRAMES, "one counter per end");
 
 /* What a process event tells the sampler. */
 enum firn_event_kind {
@@ -176,5 +185,101 @@ struct firn_event {
 	__u64 exe_ino;                   /* NEW: inode of the executable it ran (0: none) */
 };
 _Static_assert(sizeof(struct firn_event) == 48, "firn_event is 48 bytes");
+
+/* ---- CPython (python.bpf.h; written by the sampler from a checked record) ---- */
+
+/* A Python frame in a user stack: bit 63 set and bit 62 clear (no user address has
+ * either, no kernel address has this pair), a 42-bit code id, the instruction index. */
+#define FIRN_PY_TAG (1ULL << 63)
+#define FIRN_PY_INDEX_BITS 20
+#define FIRN_PY_INDEX_MASK ((1ULL << FIRN_PY_INDEX_BITS) - 1)
+#define FIRN_PY_ID_MASK ((1ULL << 42) - 1)
+#define FIRN_PY_NONE 0xffff
+
+#define FIRN_PY_POSITION_LASTI 0
+#define FIRN_PY_POSITION_POINTER 1
+#define FIRN_PY_BOUNDARY_ONE_FRAME 0
+#define FIRN_PY_BOUNDARY_IS_ENTRY 1
+#define FIRN_PY_BOUNDARY_OWNER 2
+
+/* What the walk reads of a frame and of a code object, at most. */
+#define FIRN_PY_FRAME_BUF 128
+#define FIRN_PY_CODE_BUF 256
+#define FIRN_PY_MAX_THREADS 64
+
+/* A process's interpreter: the record's fields as addresses of this process. */
+struct firn_py_proc {
+	__u64 start_ns;
+	__u32 exec_id;
+	__u8 minor;
+	__u8 position;
+	__u8 boundary;
+	__u8 cstack;
+	__u8 types_checked;      /* written by the walk: 0 not yet, 1 CPython's, 2 not */
+	__u8 reserved[3];
+	__u16 frame_span;        /* bytes of a frame the walk reads (<= FIRN_PY_FRAME_BUF) */
+	__u16 code_span;         /* bytes of a code object (<= FIRN_PY_CODE_BUF) */
+	__u64 eval_start;
+	__u64 eval_end;
+	__u64 cold_start;
+	__u64 cold_end;
+	__u64 runtime;
+	__u64 code_type;
+	__u64 str_type;
+	__u64 bytes_type;
+	__u16 runtime_interpreters;
+	__u16 interp_threads_head;
+	__u16 tstate_next;
+	__u16 tstate_thread_id;
+	__u16 tstate_frame;
+	__u16 cframe_frame;      /* FIRN_PY_NONE: the thread state holds the frame */
+	__u16 frame_previous;
+	__u16 frame_code;
+	__u16 frame_instr;
+	__u16 boundary_offset;
+	__u16 code_adaptive;
+	__u16 code_filename;
+	__u16 code_name;
+	__u16 code_linetable;
+	__u16 code_firstlineno;
+	__u16 object_type;
+	__u16 type_name;
+	__u16 str_state;
+	__u16 str_length;
+	__u16 str_ascii_data;
+	__u16 bytes_size;
+	__u16 bytes_data;
+};
+_Static_assert(sizeof(struct firn_py_proc) == 136, "firn_py_proc is 136 bytes");
+
+#define FIRN_PY_NAME_BYTES 128
+#define FIRN_PY_FILE_BYTES 256
+#define FIRN_PY_TABLE_BYTES 3584
+#define FIRN_PY_CODE_ENTRIES 2048
+
+/* Flags of a copied code object. */
+#define FIRN_PY_NAME_CUT 1
+#define FIRN_PY_FILE_CUT 2
+#define FIRN_PY_TABLE_CUT 4
+#define FIRN_PY_NOT_ASCII 8     /* a name or file is not compact ASCII: not copied */
+#define FIRN_PY_NOT_STR 16      /* a name or file is not of the str type */
+#define FIRN_PY_NOT_BYTES 32    /* the line table is not of the bytes type */
+
+/* What names one code object. Lengths are of the bytes copied; the rest of each array
+ * is not part of it. A hash element of this fits the kernel's 4 KiB allocation. */
+struct firn_py_code {
+	__u64 id;
+	__u32 first_line;
+	__u16 name_len;
+	__u16 file_len;
+	__u16 table_len;
+	__u8 minor;
+	__u8 flags;
+	__u32 reserved;
+	char name[FIRN_PY_NAME_BYTES];
+	char file[FIRN_PY_FILE_BYTES];
+	__u8 table[FIRN_PY_TABLE_BYTES];
+};
+_Static_assert(sizeof(struct firn_py_code) == 3992, "firn_py_code is 3992 bytes");
 
 #endif

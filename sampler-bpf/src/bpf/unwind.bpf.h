@@ -69,7 +69,27 @@ struct firn_unwind_state {
 	__u64 c_offset;
 	__u32 c_first;
 	__u32 c_count;
+	/* The Python walk (python.bpf.h). */
+	__u32 tid;
+	__u8 py_state;             /* enum firn_py_state */
+	__u8 py_walking;           /* the next steps are Python frames of one eval call */
+	__u8 py_skip_native;       /* the next native step unwinds an eval frame unrecorded */
+	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
+	__u64 py_hash;             /* seeded, of the process: code ids are per process */
+	struct firn_py_proc py;
+	__u8 frame_buf[FIRN_PY_FRAME_BUF];
+	__u8 code_buf[FIRN_PY_CODE_BUF];
 };
+
+enum firn_py_state {
+	FIRN_PY_STATE_NONE = 0,     /* no interpreter known for the process */
+	FIRN_PY_STATE_UNLOOKED = 1, /* known; the thread's frames not looked up yet */
+	FIRN_PY_STATE_LOOKED = 2,
+};
+
+/* Steps of one walk: native and Python frames, shim frames and the eval frames that
+ * Python frames replace. */
+#define FIRN_UNWIND_STEPS 256
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -198,6 +218,8 @@ static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
 	return (base & 7) == 0 && base >= sp && base - sp <= reach;
 }
 
+#include "python.bpf.h"
+
 /* One frame: check that st->pc is code of this process (every frame but the leaf, whose
  * pc is the sampled register), record it, then find the caller's registers. Nothing
  * read from the process's memory becomes a frame unless it lies in one of its
@@ -217,6 +239,8 @@ static long unwind_step(__u32 i, void *data)
 	st = bpf_map_lookup_elem(&scratch, &zero);
 	if (!st)
 		return 1;
+	if (st->py_walking)
+		return python_step(st);
 	len = st->len;
 	pc = st->pc;
 	if (len >= FIRN_MAX_STACK_DEPTH) {
@@ -232,9 +256,18 @@ static long unwind_step(__u32 i, void *data)
 		st->end = st->fp_why ? st->fp_why : FIRN_END_BAD_FRAME;
 		return 1;
 	}
-	st->stack.frames[len] = pc;
-	st->len = len + 1;
-	st->hash = mix(st->hash, pc);
+	/* An eval loop's frame: its Python frames first (the following steps), then this
+	 * frame is unwound in place without being recorded, as the peers show it. */
+	if (st->py_skip_native) {
+		st->py_skip_native = 0;
+	} else if (st->py_state && kind < MAPPING_NONE && in_eval(&st->py, pc) &&
+		   python_enter(st, st->tid)) {
+		return 0;
+	} else {
+		st->stack.frames[len] = pc;
+		st->len = len + 1;
+		st->hash = mix(st->hash, pc);
+	}
 	if (st->len >= FIRN_MAX_STACK_DEPTH) {
 		st->end = FIRN_END_DEPTH;
 		return 1;
@@ -347,8 +380,10 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 				       void *ustacks, struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
+	struct firn_py_proc *py;
 	struct pt_regs *regs;
 	__u32 zero = 0, len;
+	long steps;
 
 	st = bpf_map_lookup_elem(&scratch, &zero);
 	if (!st || !BPF_CORE_READ(task, mm)) {
@@ -382,7 +417,23 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 	/* Seeded, and per process: equal frames of two processes are two stacks. */
 	st->hash = mix(mix(hash_seed ^ 0xcbf29ce484222325ULL,
 			   (__u64)key->tgid << 32 | key->exec_id), key->start_ns);
-	bpf_loop(FIRN_MAX_STACK_DEPTH, unwind_step, NULL, 0);
+	st->tid = key->tid;
+	st->py_state = FIRN_PY_STATE_NONE;
+	st->py_walking = 0;
+	st->py_skip_native = 0;
+	st->py_frame = 0;
+	py = bpf_map_lookup_elem(&pyprocs, &st->tgid);
+	if (py && py->start_ns == st->start_ns && py->exec_id == st->exec_id && types_ok(py)) {
+		st->py = *py;
+		st->py_state = FIRN_PY_STATE_UNLOOKED;
+		st->py_hash = mix(st->hash, 0x9e3779b97f4a7c15ULL);
+	}
+	steps = bpf_loop(FIRN_UNWIND_STEPS, unwind_step, NULL, 0);
+	if (steps >= FIRN_UNWIND_STEPS && st->len < FIRN_MAX_STACK_DEPTH) {
+		/* Every step ran and none ended the walk. */
+		st->end = FIRN_END_DEPTH;
+		bump(FIRN_CTR_LOOP_BUDGET);
+	}
 
 	len = st->len;
 	if (len == 0) {

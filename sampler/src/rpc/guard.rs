@@ -250,7 +250,7 @@ impl Connection<Side> for GuardedConnection {
 /// Methods of each interface in the schema (`@0`..): a call past them is a client
 /// this sampler was not built for, or a probe.
 pub(crate) const SAMPLER_METHODS: u16 = 2;
-pub(crate) const SUBSCRIPTION_METHODS: u16 = 2;
+pub(crate) const SUBSCRIPTION_METHODS: u16 = 3;
 
 /// A generated dispatcher behind a check: a call to an interface or method the sampler
 /// does not have is counted and closes the connection. capnp-rpc alone would answer

@@ -126,6 +126,9 @@ impl sampler::Server for SamplerImpl {
             }
             let sub = self.shared.hub.add(key);
             bump(&self.shared.counters.subscriptions);
+            // This subscriber has been sent no code object's names yet.
+            let reset = self.shared.unwind.borrow().python().forget_seen();
+            crate::counters::add(&self.shared.counters.python_code_reset, reset);
             tracing::info!(subscriber = sub.id, "subscribed");
             let sender =
                 tokio::task::spawn_local(send_loop(self.shared.clone(), sub.clone(), sink));
@@ -137,6 +140,10 @@ impl sampler::Server for SamplerImpl {
                 shared: self.shared.clone(),
                 conn: self.conn.clone(),
                 chunks: RefCell::new(TokenBucket::new(TABLE_CHUNK_RATE, TABLE_CHUNK_BURST)),
+                records: RefCell::new(TokenBucket::new(
+                    super::interpreter::RECORD_RATE,
+                    super::interpreter::RECORD_BURST,
+                )),
             };
             r.set_subscription(capnp_rpc::new_client(Guarded {
                 inner: <subscription::Client as FromServer<_>>::from_server(Rc::new(server)),
@@ -152,10 +159,12 @@ impl sampler::Server for SamplerImpl {
 }
 
 pub(super) struct SubscriptionImpl {
-    sub: Rc<Subscriber>,
-    shared: Rc<Shared>,
-    conn: Rc<Conn>,
+    pub(super) sub: Rc<Subscriber>,
+    pub(super) shared: Rc<Shared>,
+    pub(super) conn: Rc<Conn>,
     chunks: RefCell<TokenBucket>,
+    /// Interpreter records (one per Python process, again after an exec or dlopen).
+    pub(super) records: RefCell<TokenBucket>,
 }
 
 impl SubscriptionImpl {
@@ -207,7 +216,7 @@ enum Chunk {
 
 impl SubscriptionImpl {
     /// Unreadable parameters: counted, and the connection closes.
-    fn malformed(&self) {
+    pub(super) fn malformed(&self) {
         bump(&self.shared.counters.bad_requests);
         self.conn.close_soon();
     }
@@ -215,7 +224,7 @@ impl SubscriptionImpl {
     /// A process id above any sent to this subscriber is a guess (another session's id,
     /// or a scan), not a race with a forgotten process: counted, and the connection
     /// closes.
-    fn check_issued(&self, process_id: u64, method: &str) -> Result<(), capnp::Error> {
+    pub(super) fn check_issued(&self, process_id: u64, method: &str) -> Result<(), capnp::Error> {
         if process_id <= self.sub.max_sent.get() {
             return Ok(());
         }
@@ -315,6 +324,25 @@ impl SubscriptionImpl {
 }
 
 impl subscription::Server for SubscriptionImpl {
+    fn load_interpreter(
+        self: Rc<Self>,
+        params: subscription::LoadInterpreterParams,
+        mut results: subscription::LoadInterpreterResults,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let r = (|| {
+            admit(&self.conn, &self.shared, false)?;
+            let p = params.get().inspect_err(|_| self.malformed())?;
+            self.check_issued(p.get_process_id(), "loadInterpreter")?;
+            let mut out = results.get().init_result();
+            match self.interpreter(&p) {
+                Ok(()) => out.set_done(()),
+                Err(r) => out.set_refused(r),
+            }
+            Ok(())
+        })();
+        std::future::ready(r)
+    }
+
     fn load_unwind_table(
         self: Rc<Self>,
         params: subscription::LoadUnwindTableParams,

@@ -1,9 +1,10 @@
 //! The Cap'n Proto server: one RPC system per accepted connection, requests validated
 //! like a privilege-separation monitor (wrong version → error; malformed → the
 //! connection is closed and counted). `guard` checks every incoming message and call
-//! before it acts; `methods` serves the two interfaces.
+//! before it acts; `methods` serves the two interfaces (`interpreter`, its CPython records).
 
 mod guard;
+mod interpreter;
 mod methods;
 
 use std::cell::{Cell, RefCell};

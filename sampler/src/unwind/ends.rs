@@ -41,7 +41,7 @@ ends! {
 
 // The program counts each end in the slot FIRN_CTR_END_BASE + reason.
 const _: () = assert!(
-    firn_counter::FIRN_CTR_END_BASE.0 + End::FIRN_END_MAX.0 == firn_counter::FIRN_CTR_MAX.0
+    firn_counter::FIRN_CTR_END_BASE.0 + End::FIRN_END_MAX.0 == firn_counter::FIRN_CTR_PY_FRAMES.0
 );
 
 /// The program's per-CPU counter slot of stacks that ended for `reason`.

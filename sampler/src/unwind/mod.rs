@@ -24,6 +24,7 @@ use crate::counters::{add, bump, Counters};
 use crate::procfs::{Mapping, ProcessRecord};
 
 pub(crate) mod ends;
+pub(crate) mod python;
 mod rows;
 pub use rows::{check_rows, Pool, TableError};
 
@@ -129,15 +130,17 @@ pub struct Unwind {
     /// Files each process in `procmaps` maps, by tgid, and how many processes map a file.
     processes: HashMap<u32, (u64, u32, Vec<FileKey>)>,
     users: HashMap<FileKey, u32>,
+    /// CPython interpreters of processes, for the walk's Python frames.
+    python: python::Interpreters,
     counters: Rc<Counters>,
 }
 
 impl Unwind {
-    /// Takes the three maps' fds (duplicated before confinement).
+    /// Takes the maps' fds (duplicated before confinement): rows, tables and procmaps,
+    /// and the Python walk's pyprocs and pyseen.
     pub(crate) fn new(
-        rows: OwnedFd,
-        tables: OwnedFd,
-        procmaps: OwnedFd,
+        (rows, tables, procmaps): (OwnedFd, OwnedFd, OwnedFd),
+        (pyprocs, pyseen): (OwnedFd, OwnedFd),
         limits: Limits,
         counters: Rc<Counters>,
     ) -> Self {
@@ -155,6 +158,7 @@ impl Unwind {
             seq: 0,
             processes: HashMap::new(),
             users: HashMap::new(),
+            python: python::Interpreters::new(Some(pyprocs), Some(pyseen)),
             counters,
         }
     }
@@ -175,8 +179,14 @@ impl Unwind {
             seq: 0,
             processes: HashMap::new(),
             users: HashMap::new(),
+            python: python::Interpreters::new(None, None),
             counters,
         }
+    }
+
+    /// The Python walk's maps, for a new subscriber (see python::Interpreters).
+    pub(crate) fn python(&self) -> &python::Interpreters {
+        &self.python
     }
 
     pub(crate) fn enabled(&self) -> bool {
@@ -349,6 +359,8 @@ impl Unwind {
         for f in files {
             self.remove(f);
         }
+        self.python.clear();
+        self.counters.python_interpreters_in_use.set(0);
         self.owner = None;
         self.counters.unwind_rows_in_use.set(0);
         tracing::info!(
@@ -445,6 +457,10 @@ impl Unwind {
         if let Some((_, _, files)) = self.processes.remove(&key.tgid) {
             self.unuse(&files);
         }
+        self.python.forget(key);
+        self.counters
+            .python_interpreters_in_use
+            .set(self.python.loaded() as u64);
         if let Some(m) = &self.maps {
             // SAFETY: key is a u32 tgid.
             unsafe {

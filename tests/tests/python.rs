@@ -1,0 +1,312 @@
+//! Python frames, read in BPF and named by the enricher, on every CPython here:
+//! Debian's python3 (3.11, stripped, non-PIE, libpython linked in) and pyenv's builds
+//! (3.10 to 3.13, shared libpython, PIE). Read back with `go tool pprof -traces`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
+const PYENV: [&str; 4] = ["3.10.13", "3.11.7", "3.12.1", "3.13.0"];
+
+/// (version, executable) of every CPython the tests cover. With CI=true a machine with
+/// pyenv must have all its builds.
+fn interpreters() -> Vec<(String, PathBuf)> {
+    let mut v = vec![("3.11.2".to_string(), PathBuf::from("/usr/bin/python3"))];
+    let root = Command::new("pyenv")
+        .arg("root")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| PathBuf::from(s.trim()))
+        .filter(|p| p.is_dir());
+    for full in PYENV {
+        let minor = &full[..full.rfind('.').unwrap_or(full.len())];
+        let exe = root.as_ref().map(|r| {
+            r.join("versions")
+                .join(full)
+                .join(format!("bin/python{minor}"))
+        });
+        match exe.filter(|e| e.exists()) {
+            Some(e) => v.push((full.to_string(), e)),
+            None if bpf_required() && root.is_some() => panic!("pyenv's CPython {full} is missing"),
+            None => eprintln!("skipped: no pyenv CPython {full}"),
+        }
+    }
+    v
+}
+
+fn script() -> PathBuf {
+    repo_root().join("tests/workloads/pychain.py")
+}
+
+/// The line of the workload's leaf statement.
+fn leaf_line() -> u32 {
+    let text = std::fs::read_to_string(script()).unwrap();
+    text.lines()
+        .position(|l| l.contains("# LEAF_LINE"))
+        .unwrap() as u32
+        + 1
+}
+
+fn start_python(exe: &Path, secs: &str) -> Proc {
+    let mut cmd = Command::new(exe);
+    cmd.arg(script()).arg(secs);
+    let p = Proc::spawn("python", cmd);
+    assert!(
+        p.wait_for("ready", 20 * SECS).is_some(),
+        "{} did not start: {:?}",
+        exe.display(),
+        p.lines()
+    );
+    p
+}
+
+/// Waits until the sampler took the interpreter record of `pid`.
+fn wait_interpreter(f: &Firn, pid: u32) {
+    let needle = format!("pid={pid} ");
+    let ok = wait_until(120 * SECS, || {
+        f.sampler
+            .lines()
+            .iter()
+            .any(|l| l.contains("Python interpreter loaded") && l.contains(&needle))
+    });
+    assert!(
+        ok,
+        "no interpreter for {pid}: sampler {:#?}\nenricher {:#?}",
+        f.sampler.lines().iter().rev().take(15).collect::<Vec<_>>(),
+        f.enricher
+            .as_ref()
+            .map(|e| e.lines().into_iter().rev().take(15).collect::<Vec<_>>())
+    );
+}
+
+/// A frame of `go tool pprof -traces -lines`: function, file, line.
+#[derive(Debug, Clone)]
+struct Fr {
+    func: String,
+    file: String,
+    line: u32,
+}
+
+impl Fr {
+    fn python(&self) -> bool {
+        self.file.ends_with(".py")
+    }
+}
+
+fn frames_of(names: &[String]) -> Vec<Fr> {
+    names
+        .iter()
+        .map(|n| {
+            let (func, loc) = n.split_once(' ').unwrap_or((n.as_str(), ""));
+            let (file, line) = loc.trim().rsplit_once(':').unwrap_or((loc.trim(), "0"));
+            // pprof drops `<…>` from names as C++ template arguments, so `<module>`
+            // prints as its file and line.
+            if let Some((path, l)) = func.rsplit_once(':').filter(|(p, _)| p.ends_with(".py")) {
+                return Fr {
+                    func: "<module>".to_string(),
+                    file: path.to_string(),
+                    line: l.parse().unwrap_or(0),
+                };
+            }
+            Fr {
+                func: func.to_string(),
+                file: file.to_string(),
+                line: line.parse().unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+fn line_traces(files: &[PathBuf]) -> Vec<(u64, Vec<Fr>)> {
+    parse_traces(&go_pprof(
+        &["-traces", "-lines", "-sample_index=samples"],
+        files,
+    ))
+    .into_iter()
+    .map(|(n, f)| (n, frames_of(&f)))
+    .collect()
+}
+
+/// Whether the Python frames of `frames` (leaf first) hold `chain` in order, ending the
+/// stack's Python frames.
+fn python_chain(frames: &[Fr], chain: &[&str]) -> bool {
+    let py: Vec<&str> = frames
+        .iter()
+        .filter(|f| f.python())
+        .map(|f| f.func.as_str())
+        .collect();
+    let mut it = py.iter();
+    chain.iter().all(|c| it.any(|p| p == c)) && py.last() == chain.last()
+}
+
+fn share(
+    t: &[(u64, Vec<Fr>)],
+    counted: impl Fn(&[Fr]) -> bool,
+    good: impl Fn(&[Fr]) -> bool,
+) -> (f64, u64) {
+    let (mut all, mut ok) = (0, 0);
+    for (n, f) in t {
+        if counted(f) {
+            all += n;
+            if good(f) {
+                ok += n;
+            }
+        }
+    }
+    (ok as f64 / all.max(1) as f64, all)
+}
+
+fn worst<'a>(
+    t: &'a [(u64, Vec<Fr>)],
+    counted: impl Fn(&[Fr]) -> bool,
+    good: impl Fn(&[Fr]) -> bool,
+) -> Vec<(u64, Vec<String>)> {
+    let mut bad: Vec<_> = t
+        .iter()
+        .filter(|(_, f)| counted(f) && !good(f))
+        .map(|(n, f)| {
+            (
+                *n,
+                f.iter()
+                    .map(|x| format!("{} {}:{}", x.func, x.file, x.line))
+                    .collect(),
+            )
+        })
+        .collect();
+    bad.sort_by_key(|b| std::cmp::Reverse(b.0));
+    bad.truncate(3);
+    bad
+}
+
+#[test]
+fn python_frames_on_every_version() {
+    if !can_run_bpf() {
+        return;
+    }
+    let pythons = interpreters();
+    let f = Firn::start("python", FAST);
+    let mut procs: Vec<(String, Proc)> = pythons
+        .iter()
+        .map(|(v, exe)| (v.clone(), start_python(exe, "150")))
+        .collect();
+    for (_, p) in &procs {
+        wait_interpreter(&f, p.pid());
+    }
+    // The names arrive with the first samples after the record; a round to settle.
+    std::thread::sleep(3 * SECS);
+    let since = now_ns();
+    std::thread::sleep(10 * SECS);
+    let files: Vec<Vec<PathBuf>> = procs
+        .iter()
+        .map(|(_, p)| {
+            let pid = p.pid().to_string();
+            let t0 = Instant::now();
+            loop {
+                let files: Vec<PathBuf> = index_records(&f.out)
+                    .into_iter()
+                    .filter(|(_, r)| {
+                        r["labels"]["pid"].as_str() == Some(pid.as_str())
+                            && r["start_ns"].as_u64().is_some_and(|s| s >= since)
+                    })
+                    .map(|(p, _)| p)
+                    .collect();
+                if files.len() >= 8 || t0.elapsed() > 60 * SECS {
+                    break files;
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+        .collect();
+    for (_, p) in &mut procs {
+        p.stop();
+    }
+    let leaf = leaf_line();
+    let mut failures = Vec::new();
+    for ((version, _), files) in procs.iter().zip(&files) {
+        let t = line_traces(files);
+        // 3.10 names frames by co_name, later versions by co_qualname.
+        let method = if version.starts_with("3.10") {
+            "method"
+        } else {
+            "K.method"
+        };
+        let chain = ["leaf", method, "gen", "outer", "<module>"];
+        let in_chain = |fr: &[Fr]| {
+            fr.iter()
+                .any(|x| x.python() && chain.contains(&x.func.as_str()))
+        };
+        let (whole, n) = share(&t, in_chain, |fr| python_chain(fr, &chain));
+        // The leaf Python frame carries the running statement's line: the loop's
+        // statement or its `for` (the only two the leaf runs).
+        let leaf_first = |fr: &[Fr]| {
+            fr.iter()
+                .find(|x| x.python())
+                .is_some_and(|x| x.func == "leaf")
+        };
+        let (lines, nl) = share(&t, leaf_first, |fr| {
+            fr.iter()
+                .find(|x| x.python())
+                .is_some_and(|x| x.line == leaf || x.line == leaf - 1)
+        });
+        // A C extension called from Python: its native frames are on the leaf side of
+        // `hash_it`, and the thread keeps its Python frames while it runs without the
+        // GIL.
+        let hashing = |fr: &[Fr]| {
+            fr.iter()
+                .position(|x| x.func == "hash_it")
+                .is_some_and(|i| i > 0 && fr[..i].iter().all(|x| !x.python()))
+        };
+        // The hasher thread's samples in native code (libcrypto, _hashlib).
+        let in_sha = |fr: &[Fr]| {
+            fr.first().is_some_and(|x| {
+                let f = x.func.to_ascii_lowercase();
+                f.contains("sha256") || f.contains("libcrypto") || f.contains("evp_")
+            })
+        };
+        if std::env::var_os("FIRN_TEST_DEBUG").is_some() {
+            let hasher = |fr: &[Fr]| fr.iter().any(|x| x.func == "hashing");
+            eprintln!("{version} hasher: {:#?}", worst(&t, hasher, |_| false));
+        }
+        let (kept, ns) = share(&t, in_sha, |fr| {
+            hashing(fr) && fr.iter().any(|x| x.func == "hashing")
+        });
+        eprintln!(
+            "CPython {version}: chain whole in {:.1} % of {n}; leaf line in {:.1} % of {nl}; \
+             sha256 samples with their Python frames {:.1} % of {ns}",
+            whole * 100.0,
+            lines * 100.0,
+            kept * 100.0
+        );
+        if !(n >= 100 && whole >= 0.95) {
+            failures.push(format!(
+                "{version}: chain {whole:.3} of {n}: {:#?}",
+                worst(&t, in_chain, |fr| python_chain(fr, &chain))
+            ));
+        }
+        if !(nl >= 100 && lines >= 0.95) {
+            failures.push(format!("{version}: leaf line {lines:.3} of {nl}"));
+        }
+        if !(ns >= 20 && kept >= 0.90) {
+            failures.push(format!(
+                "{version}: GIL-released C frames {kept:.3} of {ns}: {:#?}",
+                worst(&t, in_sha, hashing)
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    for name in ["python_frames_named", "python_interpreters_sent"] {
+        let v = f
+            .metric(&format!("firn_enricher_{name}_total"))
+            .unwrap_or(0.0);
+        assert!(v > 0.0, "{name} = {v}");
+    }
+    assert_eq!(
+        f.metric("firn_enricher_python_interpreters_refused_total"),
+        Some(0.0)
+    );
+}
