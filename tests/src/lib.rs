@@ -5,6 +5,7 @@
 mod cgroups;
 mod env;
 mod firn;
+pub mod liar;
 mod proc;
 mod profiles;
 mod receivers;

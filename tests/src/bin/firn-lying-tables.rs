@@ -11,68 +11,12 @@
 //! counters, what was sent and what was refused.
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
-use firn_schema::firn_capnp::{batch_sink, sampler, subscription, table_result};
+use firn_schema::firn_capnp::{subscription, table_result};
 use firn_schema::unwind_row::{self as k, Row};
-use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
-
-/// What the batches told about the victim.
-#[derive(Default)]
-struct Seen {
-    /// (process id, mappings version, mapping indices of its files).
-    record: Option<(u64, u32, Vec<u32>)>,
-    frames: Vec<u64>,
-    ends: BTreeMap<String, u64>,
-    samples: u64,
-    counters: BTreeMap<String, u64>,
-}
-
-struct Sink {
-    pid: u32,
-    seen: Rc<RefCell<Seen>>,
-}
-
-impl batch_sink::Server for Sink {
-    fn push(
-        self: Rc<Self>,
-        params: batch_sink::PushParams,
-    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
-        let mut seen = self.seen.borrow_mut();
-        if let Ok(b) = params.get().and_then(|p| p.get_batch()) {
-            for p in b.get_processes().into_iter().flatten() {
-                if p.get_pid() != self.pid {
-                    continue;
-                }
-                let n = p.get_mappings().map_or(0, |m| m.len());
-                seen.record = Some((
-                    p.get_process_id(),
-                    p.get_mappings_version(),
-                    (0..n).collect(),
-                ));
-            }
-            for s in b.get_samples().into_iter().flatten() {
-                if s.get_pid() != self.pid {
-                    continue;
-                }
-                seen.samples += s.get_count();
-                seen.frames
-                    .extend(s.get_user_frames().into_iter().flatten());
-                let end = format!("{:?}", s.get_user_stack_end().ok());
-                *seen.ends.entry(end).or_default() += s.get_count();
-            }
-            for c in b.get_counters().into_iter().flatten() {
-                if let Ok(name) = c.get_name().map(|n| n.to_string().unwrap_or_default()) {
-                    seen.counters.insert(name, c.get_value());
-                }
-            }
-        }
-        std::future::ready(Ok(()))
-    }
-}
+use firn_tests::liar::{connect, run_local, subscribe, victim_record, Seen};
 
 fn row(cfa: u8, cfa_offset: u16, rbp: u8, rbp_offset8: i8) -> Vec<u8> {
     Row {
@@ -107,47 +51,6 @@ fn lies() -> Vec<Vec<u8>> {
     out
 }
 
-struct Session {
-    client: sampler::Client,
-    ended: tokio::sync::oneshot::Receiver<()>,
-}
-
-async fn connect(sock: &str) -> Session {
-    let stream = tokio::net::UnixStream::connect(sock)
-        .await
-        .expect("connect");
-    let (r, w) = stream.into_split();
-    let network = twoparty::VatNetwork::new(
-        futures::io::BufReader::new(r.compat()),
-        w.compat_write(),
-        Side::Client,
-        Default::default(),
-    );
-    let mut rpc = RpcSystem::new(Box::new(network), None);
-    let client: sampler::Client = rpc.bootstrap(Side::Server);
-    let (tx, ended) = tokio::sync::oneshot::channel::<()>();
-    tokio::task::spawn_local(async move {
-        let _ = rpc.await;
-        let _ = tx.send(());
-    });
-    Session { client, ended }
-}
-
-async fn subscribe(s: &Session, pid: u32, seen: &Rc<RefCell<Seen>>) -> subscription::Client {
-    let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
-        pid,
-        seen: seen.clone(),
-    });
-    let mut req = s.client.subscribe_request();
-    req.get()
-        .set_protocol_version(firn_schema::PROTOCOL_VERSION);
-    req.get().set_sink(sink);
-    let res = req.send().promise.await.expect("subscribe");
-    res.get()
-        .and_then(|r| r.get_subscription())
-        .expect("subscription")
-}
-
 /// Sends `rows` as the whole table of mapping `index`; whether it was taken.
 async fn send(
     sub: &subscription::Client,
@@ -174,13 +77,10 @@ async fn run(sock: String, pid: u32) -> String {
     let seen = Rc::new(RefCell::new(Seen::default()));
     let session = connect(&sock).await;
     let sub = subscribe(&session, pid, &seen).await;
-    let t0 = Instant::now();
-    while seen.borrow().record.is_none() && t0.elapsed() < Duration::from_secs(30) {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let Some((id, version, indices)) = seen.borrow().record.clone() else {
+    let Some((id, version, maps)) = victim_record(&seen).await else {
         return "{\"error\":\"no record of the process\"}".into();
     };
+    let indices: Vec<u32> = (0..maps.len() as u32).collect();
     let (mut taken, mut refused) = (0u32, 0u32);
     // The victim's own binary (its lowest mapping) always gets the lie; the others get
     // it every other time, and a table without rules in between, so that their frames
@@ -217,11 +117,7 @@ async fn run(sock: String, pid: u32) -> String {
         let s = connect(&sock).await;
         let other = Rc::new(RefCell::new(Seen::default()));
         let sub = subscribe(&s, pid, &other).await;
-        let t0 = Instant::now();
-        while other.borrow().record.is_none() && t0.elapsed() < Duration::from_secs(30) {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        let Some((id, version, _)) = other.borrow().record.clone() else {
+        let Some((id, version, _)) = victim_record(&other).await else {
             continue;
         };
         let answer = send(&sub, (id, version), 0, &bad).await;
@@ -251,10 +147,5 @@ fn main() {
         eprintln!("usage: firn-lying-tables SOCKET PID");
         std::process::exit(2);
     };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let local = tokio::task::LocalSet::new();
-    println!("{}", local.block_on(&rt, run(sock.clone(), pid)));
+    println!("{}", run_local(run(sock.clone(), pid)));
 }
