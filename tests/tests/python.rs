@@ -12,28 +12,39 @@ const SECS: Duration = Duration::from_secs(1);
 const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
 const PYENV: [&str; 4] = ["3.10.13", "3.11.7", "3.12.1", "3.13.0"];
 
-/// (version, executable) of every CPython the tests cover. With CI=true a machine with
-/// pyenv must have all its builds.
-fn interpreters() -> Vec<(String, PathBuf)> {
-    let mut v = vec![("3.11.2".to_string(), PathBuf::from("/usr/bin/python3"))];
-    let root = Command::new("pyenv")
+fn pyenv_root() -> Option<PathBuf> {
+    Command::new("pyenv")
         .arg("root")
         .output()
         .ok()
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .map(|s| PathBuf::from(s.trim()))
-        .filter(|p| p.is_dir());
+        .filter(|p| p.is_dir())
+}
+
+/// pyenv's CPython `full` (e.g. "3.12.1"); with CI=true a machine with pyenv must
+/// have it.
+fn pyenv_python(full: &str) -> Option<PathBuf> {
+    let minor = &full[..full.rfind('.').unwrap_or(full.len())];
+    let root = pyenv_root()?;
+    let exe = root
+        .join("versions")
+        .join(full)
+        .join(format!("bin/python{minor}"));
+    if exe.exists() {
+        return Some(exe);
+    }
+    assert!(!bpf_required(), "pyenv's CPython {full} is missing");
+    eprintln!("skipped: no pyenv CPython {full}");
+    None
+}
+
+/// (version, executable) of every CPython the tests cover.
+fn interpreters() -> Vec<(String, PathBuf)> {
+    let mut v = vec![("3.11.2".to_string(), PathBuf::from("/usr/bin/python3"))];
     for full in PYENV {
-        let minor = &full[..full.rfind('.').unwrap_or(full.len())];
-        let exe = root.as_ref().map(|r| {
-            r.join("versions")
-                .join(full)
-                .join(format!("bin/python{minor}"))
-        });
-        match exe.filter(|e| e.exists()) {
-            Some(e) => v.push((full.to_string(), e)),
-            None if bpf_required() && root.is_some() => panic!("pyenv's CPython {full} is missing"),
-            None => eprintln!("skipped: no pyenv CPython {full}"),
+        if let Some(e) = pyenv_python(full) {
+            v.push((full.to_string(), e));
         }
     }
     v
@@ -53,8 +64,12 @@ fn leaf_line() -> u32 {
 }
 
 fn start_python(exe: &Path, secs: &str) -> Proc {
+    start_script(exe, &script(), secs)
+}
+
+fn start_script(exe: &Path, script: &Path, secs: &str) -> Proc {
     let mut cmd = Command::new(exe);
-    cmd.arg(script()).arg(secs);
+    cmd.arg(script).arg(secs);
     let p = Proc::spawn("python", cmd);
     assert!(
         p.wait_for("ready", 20 * SECS).is_some(),
@@ -102,7 +117,7 @@ fn frames_of(names: &[String]) -> Vec<Fr> {
     names
         .iter()
         .map(|n| {
-            let (func, loc) = n.split_once(' ').unwrap_or((n.as_str(), ""));
+            let (func, loc) = n.rsplit_once(' ').unwrap_or((n.as_str(), ""));
             let (file, line) = loc.trim().rsplit_once(':').unwrap_or((loc.trim(), "0"));
             // pprof drops `<…>` from names as C++ template arguments, so `<module>`
             // prints as its file and line.
@@ -183,6 +198,27 @@ fn worst<'a>(
     bad
 }
 
+/// The functions of every thread of `pid`, as `py-spy dump` reads them.
+fn py_spy_dump(pid: u32) -> Vec<String> {
+    let out = Command::new(repo_root().join("target/test-venv/bin/py-spy"))
+        .args(["dump", "--pid", &pid.to_string()])
+        .output()
+        .expect("py-spy (tests/setup-tools.sh installs it)");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("    "))
+        .filter_map(|l| l.trim().split(" (").next().map(str::to_string))
+        .collect()
+}
+
+/// Every function name in `files`, as `go tool pprof -top` lists them.
+fn files_names(files: &[PathBuf]) -> Vec<String> {
+    parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
+        .into_iter()
+        .flat_map(|(_, f)| f)
+        .collect()
+}
+
 #[test]
 fn python_frames_on_every_version() {
     if !can_run_bpf() {
@@ -194,41 +230,80 @@ fn python_frames_on_every_version() {
         .iter()
         .map(|(v, exe)| (v.clone(), start_python(exe, "150")))
         .collect();
-    for (_, p) in &procs {
+    // An interpreter firn does not know (3.9): counted, its native frames kept.
+    let mut unknown = pyenv_python("3.9.18").map(|e| start_python(&e, "150"));
+    // One that corrupts its own code object.
+    let corrupt_script = repo_root().join("tests/workloads/pycorrupt.py");
+    let mut corrupt = pyenv_python("3.12.1").map(|e| start_script(&e, &corrupt_script, "150"));
+    for p in procs.iter().map(|(_, p)| p).chain(&corrupt) {
         wait_interpreter(&f, p.pid());
     }
     // The names arrive with the first samples after the record; a round to settle.
     std::thread::sleep(3 * SECS);
     let since = now_ns();
-    std::thread::sleep(10 * SECS);
-    let files: Vec<Vec<PathBuf>> = procs
-        .iter()
-        .map(|(_, p)| {
-            let pid = p.pid().to_string();
-            let t0 = Instant::now();
-            loop {
-                let files: Vec<PathBuf> = index_records(&f.out)
-                    .into_iter()
-                    .filter(|(_, r)| {
-                        r["labels"]["pid"].as_str() == Some(pid.as_str())
-                            && r["start_ns"].as_u64().is_some_and(|s| s >= since)
-                    })
-                    .map(|(p, _)| p)
-                    .collect();
-                if files.len() >= 8 || t0.elapsed() > 60 * SECS {
-                    break files;
-                }
-                std::thread::sleep(Duration::from_millis(200));
+    // py-spy reads the same processes meanwhile: what it names, firn must name too.
+    let mut spied: Vec<std::collections::BTreeSet<String>> = vec![Default::default(); procs.len()];
+    let t0 = Instant::now();
+    while t0.elapsed() < 10 * SECS {
+        for ((_, p), names) in procs.iter().zip(&mut spied) {
+            names.extend(py_spy_dump(p.pid()));
+        }
+        std::thread::sleep(SECS);
+    }
+    let files_of = |pid: u32| {
+        let pid = pid.to_string();
+        let t0 = Instant::now();
+        loop {
+            let files: Vec<PathBuf> = index_records(&f.out)
+                .into_iter()
+                .filter(|(_, r)| {
+                    r["labels"]["pid"].as_str() == Some(pid.as_str())
+                        && r["start_ns"].as_u64().is_some_and(|s| s >= since)
+                })
+                .map(|(p, _)| p)
+                .collect();
+            if files.len() >= 8 || t0.elapsed() > 60 * SECS {
+                break files;
             }
-        })
-        .collect();
-    for (_, p) in &mut procs {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let files: Vec<Vec<PathBuf>> = procs.iter().map(|(_, p)| files_of(p.pid())).collect();
+    let unknown_files = unknown.as_ref().map(|p| files_of(p.pid()));
+    let corrupt_files = corrupt.as_ref().map(|p| files_of(p.pid()));
+    let corrupt_alive = corrupt.as_mut().map(|p| p.running());
+    for p in procs
+        .iter_mut()
+        .map(|(_, p)| p)
+        .chain(&mut unknown)
+        .chain(&mut corrupt)
+    {
         p.stop();
     }
     let leaf = leaf_line();
     let mut failures = Vec::new();
-    for ((version, _), files) in procs.iter().zip(&files) {
+    for (((version, _), files), spied) in procs.iter().zip(&files).zip(&spied) {
         let t = line_traces(files);
+        // Every function py-spy saw is named in firn's profile (3.11 on, firn shows
+        // the qualified name: `K.method` for py-spy's `method`).
+        let named: std::collections::BTreeSet<&str> = t
+            .iter()
+            .flat_map(|(_, fr)| fr.iter().filter(|x| x.python()).map(|x| x.func.as_str()))
+            .collect();
+        let missed: Vec<&String> = spied
+            .iter()
+            .filter(|n| {
+                !named
+                    .iter()
+                    .any(|f| f == n || f.ends_with(&format!(".{n}")))
+            })
+            .collect();
+        eprintln!("CPython {version}: py-spy named {spied:?}");
+        if spied.is_empty() || !missed.is_empty() {
+            failures.push(format!(
+                "{version}: py-spy named {spied:?}, firn missed {missed:?}"
+            ));
+        }
         // 3.10 names frames by co_name, later versions by co_qualname.
         let method = if version.starts_with("3.10") {
             "method"
@@ -296,6 +371,66 @@ fn python_frames_on_every_version() {
                 "{version}: GIL-released C frames {kept:.3} of {ns}: {:#?}",
                 worst(&t, in_sha, hashing)
             ));
+        }
+    }
+    // The unknown interpreter: counted, and its profile keeps native frames only.
+    if let Some(files) = unknown_files {
+        let t = line_traces(&files);
+        let python = t.iter().any(|(_, fr)| fr.iter().any(Fr::python));
+        let native = t.iter().any(|(_, fr)| {
+            fr.iter()
+                .any(|x| x.func.contains("_PyEval_EvalFrameDefault"))
+        });
+        eprintln!("CPython 3.9: Python frames {python}, eval loop frames {native}");
+        if python || !native {
+            failures.push(format!(
+                "3.9: Python frames {python}, eval loop frames {native}"
+            ));
+        }
+        let unknown = f
+            .metric("firn_enricher_python_interpreters_unknown_total")
+            .unwrap_or(0.0);
+        if unknown < 1.0 {
+            failures.push(format!("3.9 not counted as unknown: {unknown}"));
+        }
+    }
+    // The corrupted code object: the process lives, its frame is shown unnamed, and no
+    // other process's profile has a name it made.
+    if let Some(cfiles) = corrupt_files {
+        let t = line_traces(&cfiles);
+        // Its file name was refused too, so the frame has no file.
+        let (unnamed, n) = share(
+            &t,
+            |fr| fr.iter().any(|x| x.func == "<module>"),
+            |fr| {
+                fr.iter()
+                    .any(|x| x.func == "[python: no name]" && x.file.is_empty())
+            },
+        );
+        if std::env::var_os("FIRN_TEST_DEBUG").is_some() {
+            eprintln!("corrupt: {:#?}", worst(&t, |_| true, |_| false));
+        }
+        eprintln!(
+            "corrupted code object: shown unnamed in {:.1} % of {n}",
+            unnamed * 100.0
+        );
+        let wrong: Vec<_> = files_names(&cfiles)
+            .into_iter()
+            .filter(|n| n.contains("corrupted_loop"))
+            .collect();
+        if corrupt_alive != Some(true) || n < 50 || unnamed < 0.9 || !wrong.is_empty() {
+            failures.push(format!(
+                "corrupt: alive {corrupt_alive:?}, unnamed {unnamed:.3} of {n}, names {wrong:?}"
+            ));
+        }
+        for (v, fs) in procs.iter().map(|(v, _)| v).zip(&files) {
+            let names = files_names(fs);
+            if names
+                .iter()
+                .any(|n| n.contains("no name") || n.contains("corrupted_loop"))
+            {
+                failures.push(format!("{v}: a name of the corrupted process"));
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
