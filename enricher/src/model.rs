@@ -64,6 +64,30 @@ pub enum Frame {
     Kernel(Arc<str>),
 }
 
+/// The mapping every Python frame is shown in: pprof readers, the web view and the
+/// uploads tell Python frames by it (the peers name theirs alike).
+pub const PYTHON_MAPPING: &str = "[python]";
+
+/// What ran a frame: the view colours by it, OTLP sends it as `profile.frame.type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    Native = 0,
+    Kernel = 1,
+    Python = 2,
+}
+
+impl Frame {
+    pub fn kind(&self) -> FrameKind {
+        match self {
+            Frame::Kernel(_) => FrameKind::Kernel,
+            Frame::User {
+                mapping: Some(m), ..
+            } if &*m.file == PYTHON_MAPPING => FrameKind::Python,
+            Frame::User { .. } => FrameKind::Native,
+        }
+    }
+}
+
 /// The names one frame stands for, callers first: its inline chain, a kernel symbol, or
 /// `file+0xoffset` for code no symbol names (the web view and OpenSearch show these).
 pub(crate) fn frame_names(f: &Frame, out: &mut Vec<Arc<str>>) {

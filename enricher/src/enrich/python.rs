@@ -13,7 +13,7 @@ use super::{dev_of, Enricher, SamplerLink};
 use crate::batch::Batch;
 use crate::broker::InterpreterSendError;
 use crate::metrics::Metrics;
-use crate::model::MappingSpec;
+use crate::model::{MappingSpec, PYTHON_MAPPING};
 use crate::python::{Names, Taken};
 
 /// Interpreter files remembered (their analysis); past it the oldest half goes.
@@ -28,10 +28,6 @@ pub(crate) struct Python {
     pub(crate) names: Names,
     mapping: std::sync::OnceLock<Arc<MappingSpec>>,
 }
-
-/// The mapping every Python frame is shown in: pprof readers and the web view tell
-/// Python frames by it (the peers name theirs alike).
-pub(crate) const PYTHON_MAPPING: &str = "[python]";
 
 impl Python {
     pub(crate) fn mapping(&self) -> Arc<MappingSpec> {

@@ -113,6 +113,7 @@ fn batch(round: u64, addr: u64, with_record: bool) -> Batch {
         end_time_ns: round * 10 + 10,
         frequency_hz: 99,
         dropped_batches: 0,
+        python_code: Vec::new(),
         processes: if with_record {
             vec![process]
         } else {
@@ -211,4 +212,40 @@ fn without_a_link_or_with_refusals_frames_stay_addresses() {
     assert_eq!(link.opens.get(), asked);
     run(e.handle(batch(2 + RETRY_ROUNDS, addr, false), Some(&link)));
     assert!(link.opens.get() > asked, "asked again once due");
+}
+
+#[test]
+fn python_frames_are_named_from_the_batch_blobs() {
+    use firn_schema::python_record::{frame, CodeBlob};
+    let mut e = enricher();
+    let addr = marker_function();
+    let mut b = batch(1, addr, true);
+    let blob = CodeBlob {
+        id: 77,
+        first_line: 3,
+        minor: 12,
+        flags: 0,
+        name: b"K.method",
+        file: b"/srv/app.py",
+        table: &[],
+    };
+    b.python_code = vec![blob.to_bytes(), vec![0; 5]];
+    let entry = frame::TAG | 77 << frame::INDEX_BITS | 4;
+    let unknown = frame::TAG | 78 << frame::INDEX_BITS;
+    b.samples[0].user_frames = vec![entry, unknown, addr];
+    let r = e.handle_offline(b);
+    let frames = &r.stacks[0].frames;
+    assert_eq!(frames[0].kind(), crate::model::FrameKind::Python);
+    let mut names = Vec::new();
+    crate::model::frame_names(&frames[0], &mut names);
+    crate::model::frame_names(&frames[1], &mut names);
+    assert_eq!(&*names[0], "K.method");
+    assert_eq!(&*names[1], "[python: unknown code]");
+    assert_eq!(frames[2].kind(), crate::model::FrameKind::Native);
+    let m = &e.metrics;
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(m.python_code_received.load(Relaxed), 1);
+    assert_eq!(m.python_code_malformed.load(Relaxed), 1);
+    assert_eq!(m.python_frames_named.load(Relaxed), 1);
+    assert_eq!(m.python_frames_unnamed.load(Relaxed), 1);
 }

@@ -93,6 +93,8 @@ struct Dictionary {
     kernel_locations: HashMap<Arc<str>, i32>,
     stacks: HashMap<Vec<i32>, i32>,
     build_id_key: i32,
+    /// `profile.frame.type` attributes, by FrameKind (0: not made yet).
+    frame_types: [i32; 3],
 }
 
 impl Dictionary {
@@ -115,6 +117,7 @@ impl Dictionary {
             kernel_locations: HashMap::new(),
             stacks: HashMap::new(),
             build_id_key: 0,
+            frame_types: [0; 3],
         };
         d.string("");
         d.build_id_key = d.string("process.executable.build_id.gnu");
@@ -174,7 +177,30 @@ impl Dictionary {
         i
     }
 
+    /// The `profile.frame.type` attribute of a frame (OpenTelemetry's semantic
+    /// conventions: kernel, native, cpython).
+    fn frame_type(&mut self, f: &Frame) -> i32 {
+        use crate::model::FrameKind;
+        let kind = f.kind();
+        if self.frame_types[kind as usize] == 0 {
+            let key_strindex = self.string("profile.frame.type");
+            let value = match kind {
+                FrameKind::Native => "native",
+                FrameKind::Kernel => "kernel",
+                FrameKind::Python => "cpython",
+            };
+            self.frame_types[kind as usize] = self.d.attribute_table.len() as i32;
+            self.d.attribute_table.push(KeyValueAndUnit {
+                key_strindex,
+                value: Some(string_value(value)),
+                unit_strindex: 0,
+            });
+        }
+        self.frame_types[kind as usize]
+    }
+
     fn location(&mut self, f: &Frame) -> i32 {
+        let frame_type = self.frame_type(f);
         match f {
             Frame::Kernel(name) => {
                 if let Some(&i) = self.kernel_locations.get(name) {
@@ -198,7 +224,7 @@ impl Dictionary {
                         line: 0,
                         column: 0,
                     }],
-                    attribute_indices: Vec::new(),
+                    attribute_indices: vec![frame_type],
                 });
                 self.kernel_locations.insert(name.clone(), i);
                 i
@@ -226,7 +252,7 @@ impl Dictionary {
                     mapping_index,
                     address: *address,
                     lines,
-                    attribute_indices: Vec::new(),
+                    attribute_indices: vec![frame_type],
                 });
                 self.user_locations.insert((mapping_index, *address), i);
                 i

@@ -140,11 +140,15 @@ function hue(name) {
     return h;
 }
 
-function color(name, depth) {
+// Frame kinds (the server's FrameKind): native warm, kernel blue, Python green.
+const KIND_HUES = [[10, 45], [200, 30], [95, 45]];
+
+function color(name, depth, kind) {
     if (depth === 0) return "#9ca3af";
-    if (name.startsWith("[") || /^0x|\+0x/.test(name)) return "#d1d5db";
+    if (kind !== 2 && (name.startsWith("[") || /^0x|\+0x/.test(name))) return "#d1d5db";
     const h = hue(name);
-    return `hsl(${10 + (h % 45)}, ${70 + (h % 20)}%, ${55 + (h % 15)}%)`;
+    const [base, span] = KIND_HUES[kind] || KIND_HUES[0];
+    return `hsl(${base + (h % span)}, ${60 + (h % 20)}%, ${55 + (h % 15)}%)`;
 }
 
 function drawFlame() {
@@ -191,7 +195,8 @@ function drawFlame() {
         const name = v.names[n[0]];
         const y = (depth + top) * ROW;
         const rect = el("svg:rect", { x: x.toFixed(2), y, width: Math.max(0.5, w - 0.5).toFixed(2), height: ROW - 1,
-                                      fill: color(name, depth + top), "data-name": name });
+                                      fill: color(name, depth + top, (v.kinds || [])[n[0]]),
+                                      "data-name": name, "data-kind": (v.kinds || [])[n[0]] || 0 });
         const pct = (100 * n[1] / (v.total || 1)).toFixed(2);
         rect.append(el("svg:title", {}, `${name}\n${n[1]} samples (${pct} % of all)`));
         if (re && depth + top > 0 && re.test(name)) {

@@ -48,6 +48,17 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
         node,
         total: calls.total,
         period_ns,
+        kinds: names
+            .iter()
+            .map(|n| {
+                calls
+                    .names
+                    .index
+                    .get(n.as_str())
+                    .and_then(|&i| calls.kinds.get(i as usize).copied())
+                    .unwrap_or(0)
+            })
+            .collect(),
         names,
         tree,
         folded_nodes: folded,
@@ -73,6 +84,9 @@ struct Calls {
     total: u64,
     cut_short: u64,
     names_buf: Vec<Arc<str>>,
+    kinds_buf: Vec<u8>,
+    /// By name id: the kind of the frame it was first seen in.
+    kinds: Vec<u8>,
     ids: Vec<u32>,
 }
 
@@ -96,6 +110,8 @@ impl Calls {
             total: 0,
             cut_short: 0,
             names_buf: Vec::new(),
+            kinds_buf: Vec::new(),
+            kinds: Vec::new(),
             ids: Vec::new(),
         }
     }
@@ -103,10 +119,14 @@ impl Calls {
     fn add(&mut self, s: &StackSample) {
         self.stacks += 1;
         self.total += s.count;
-        path(s, &mut self.names_buf);
+        path(s, &mut self.names_buf, &mut self.kinds_buf);
         self.ids.clear();
-        for n in &self.names_buf {
-            self.ids.push(self.names.id(n));
+        for (n, &k) in self.names_buf.iter().zip(&self.kinds_buf) {
+            let id = self.names.id(n);
+            if self.kinds.len() <= id as usize {
+                self.kinds.resize(id as usize + 1, k);
+            }
+            self.ids.push(id);
         }
         let mut at = 0u32;
         self.tree.value[0] += s.count;

@@ -134,6 +134,8 @@ pub struct View {
     pub(crate) total: u64,
     pub(crate) period_ns: u64,
     pub(crate) names: Vec<String>,
+    /// What ran each name (`FrameKind`: 0 native, 1 kernel, 2 Python), for colours.
+    pub(crate) kinds: Vec<u8>,
     pub(crate) tree: Node,
     pub folded_nodes: u64,
     /// Stacks whose deepest frames were not placed: the tree reached its node bound.
@@ -155,11 +157,15 @@ fn label<'a>(l: &'a crate::model::LabelSet, k: &str) -> Option<&'a str> {
 
 /// Names of a stack from the root to the leaf: the process's comm, then the frames
 /// (inline frames expanded, callers first).
-fn path(s: &StackSample, out: &mut Vec<Arc<str>>) {
+/// The names of a stack, root (its comm) first, and the kind of each.
+fn path(s: &StackSample, out: &mut Vec<Arc<str>>, kinds: &mut Vec<u8>) {
     out.clear();
+    kinds.clear();
     out.push(Arc::from(label(&s.labels, "comm").unwrap_or("?")));
+    kinds.push(crate::model::FrameKind::Native as u8);
     for f in s.frames.iter().rev() {
         crate::model::frame_names(f, out);
+        kinds.resize(out.len(), f.kind() as u8);
     }
 }
 
