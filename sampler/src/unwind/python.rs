@@ -317,7 +317,7 @@ mod tests {
         let p = place(&r, KEY, &text()).expect("placed");
         assert_eq!(p.eval_start, 0x7f00_0010_0000 + 0xbdc0);
         assert_eq!(p.runtime, 0x7f00_0000_0000 + 0x64_3340);
-        assert_eq!((p.frame_span, p.code_span), (78, 200));
+        assert_eq!((p.frame_span, p.code_span), (71, 200));
     }
 
     #[test]
