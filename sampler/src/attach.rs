@@ -203,7 +203,11 @@ pub(crate) fn load_and_attach(
             dup(&skel.maps.tables)?,
             dup(&skel.maps.procmaps)?,
         ),
-        (dup(&skel.maps.pyprocs)?, dup(&skel.maps.pyseen)?),
+        (
+            dup(&skel.maps.pyprocs)?,
+            dup(&skel.maps.pyseen)?,
+            dup(&skel.maps.pyepoch)?,
+        ),
         limits,
         counters,
     );

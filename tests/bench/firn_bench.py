@@ -17,6 +17,9 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
             OTLP, Parca and OpenSearch uploads on (to the test receivers in tests/receivers/, set
             up by tests/setup-tools.sh), interleaved; CPU over 60 s after 30 s, RSS,
             peak, and bytes sent per round and per 1,000 samples;
+  python    firn only: BPF ns per sample of a Python workload beside a native one of
+            similar depth (no frame pointers, interleaved), the Python walk's map memory,
+            and both halves with 50 Python processes;
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
             short-lived processes (attribution to the right executable, enricher RSS
             trend); 200 distinct executables (symbol cache size and hit rate).
@@ -41,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+import python_bench  # noqa: E402
 from profilers import BCC_PROFILE, COMM, ROOT, Bcc, Bpftrace, Firn, Perf, _read  # noqa: E402
 from runs import (  # noqa: E402
     log, one_run, rest_run, scale_churn, scale_many_processes, series, upload_run)
@@ -338,6 +342,12 @@ def write_report(res, update):
             body += ("\n\nKernel memory of firn's maps at the end of its last 99 Hz run (every "
                      "process on the machine profiled):\n\n" + kernel_memory_table(res["unwind_memory"]))
         sections["bench-unwind"] = body
+    if "python" in res:
+        sections["bench-python"] = (
+            f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn at 99 Hz, "
+            f"rounds of {p['round']} s; BPF ns per sample from the kernel's bpf_stats over {p['seconds']} s "
+            "after two rounds (tables and interpreter records in); frames per sample from the sampler's "
+            "counters. Median (min–max).\n\n" + python_bench.report(res["python"]))
     if "scale" in res:
         s = res["scale"]
         lines = [head, "", "| scenario | result |", "|---|---|"]
@@ -406,8 +416,8 @@ def main():
     ap.add_argument("--profilers", default="firn,perf,bpftrace,bcc")
     ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
     ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
-    ap.add_argument("--parts", default="overhead,idle,rest,unwind,scale",
-                    help="overhead,idle,rest,unwind,scale,upload (upload: not in the default set)")
+    ap.add_argument("--parts", default="overhead,idle,rest,unwind,python,scale",
+                    help="overhead,idle,rest,unwind,python,scale,upload (upload: not in the default set)")
     ap.add_argument("--upload-pairs", type=int, default=2, help="interleaved repetitions of the upload part (2)")
     ap.add_argument("--rest-pairs", type=int, default=1, help="repetitions of the rest part (1)")
     ap.add_argument("--churn-seconds", type=int, default=600,
@@ -484,6 +494,8 @@ def main():
             kmem = [r["kernel_memory"] for r in runs
                     if r["profiler"] == "firn" and r["hz"] == 99 and "kernel_memory" in r]
             res["unwind_memory"] = kmem[-1] if kmem else None
+        if "python" in parts:
+            res["python"] = python_bench.run(out, 99, args.round, args.seconds, args.pairs)
         if "scale" in parts:
             hz = 99
             s = res["scale"] = {}

@@ -225,7 +225,7 @@ fn python_frames_on_every_version() {
         return;
     }
     let pythons = interpreters();
-    let f = Firn::start("python", FAST);
+    let mut f = Firn::start("python", FAST);
     let mut procs: Vec<(String, Proc)> = pythons
         .iter()
         .map(|(v, exe)| (v.clone(), start_python(exe, "150")))
@@ -250,7 +250,7 @@ fn python_frames_on_every_version() {
         }
         std::thread::sleep(SECS);
     }
-    let files_of = |pid: u32| {
+    let files_since = |f: &Firn, pid: u32, since: u64, n: usize| {
         let pid = pid.to_string();
         let t0 = Instant::now();
         loop {
@@ -262,16 +262,28 @@ fn python_frames_on_every_version() {
                 })
                 .map(|(p, _)| p)
                 .collect();
-            if files.len() >= 8 || t0.elapsed() > 60 * SECS {
+            if files.len() >= n || t0.elapsed() > 60 * SECS {
                 break files;
             }
             std::thread::sleep(Duration::from_millis(200));
         }
     };
+    let files_of = |pid: u32| files_since(&f, pid, since, 8);
     let files: Vec<Vec<PathBuf>> = procs.iter().map(|(_, p)| files_of(p.pid())).collect();
     let unknown_files = unknown.as_ref().map(|p| files_of(p.pid()));
     let corrupt_files = corrupt.as_ref().map(|p| files_of(p.pid()));
     let corrupt_alive = corrupt.as_mut().map(|p| p.running());
+    // A new subscriber (the enricher restarted) is sent every code object's names again.
+    if let Some(mut e) = f.enricher.take() {
+        e.stop();
+    }
+    f.start_enricher(&[]);
+    let restart = now_ns();
+    let again = files_since(&f, procs[0].1.pid(), restart, 3);
+    let renamed = !again.is_empty()
+        && line_traces(&again)
+            .iter()
+            .any(|(_, fr)| fr.iter().any(|x| x.func == "leaf" && x.python()));
     for p in procs
         .iter_mut()
         .map(|(_, p)| p)
@@ -432,6 +444,11 @@ fn python_frames_on_every_version() {
                 failures.push(format!("{v}: a name of the corrupted process"));
             }
         }
+    }
+    if !renamed {
+        failures.push(format!(
+            "after the enricher's restart no `leaf` in {again:?}"
+        ));
     }
     assert!(failures.is_empty(), "{failures:#?}");
     for name in ["python_frames_named", "python_interpreters_sent"] {

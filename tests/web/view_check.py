@@ -66,6 +66,12 @@ def main():
         assert "token=" not in d.current_url, d.current_url
         wait("the flame graph", lambda: a.function in names(d))
         report["first_draw_s"] = round(time.time() - t0, 2)
+        # Frame kinds are coloured apart, with a legend naming them.
+        kinds = {r.get_attribute("data-kind") for r in d.find_elements(By.CSS_SELECTOR, "#flame-svg rect[data-kind]")}
+        report["frame_kinds"] = sorted(k for k in kinds if k)
+        assert "0" in kinds, f"no native frame kind: {kinds}"
+        legend = d.find_element(By.ID, "legend").text
+        assert all(k in legend for k in ("native", "kernel", "Python")), legend
         d.save_screenshot(f"{a.shots}/view-machine.png")
         errors = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, f"console errors: {errors}"

@@ -111,6 +111,13 @@ static __always_inline void bump(__u32 idx)
 		*v += 1;
 }
 
+static __always_inline void add(__u32 idx, __u64 n)
+{
+	__u64 *v = bpf_map_lookup_elem(&counters, &idx);
+	if (v)
+		*v += n;
+}
+
 static __always_inline __s32 stack_id(void *ctx, void *map, __u64 flags, __u32 full_ctr, __u32 err_ctr)
 {
 	long id = bpf_get_stackid(ctx, map, flags);

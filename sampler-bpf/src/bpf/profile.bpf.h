@@ -206,6 +206,7 @@ _Static_assert(sizeof(struct firn_event) == 48, "firn_event is 48 bytes");
 #define FIRN_PY_FRAME_BUF 128
 #define FIRN_PY_CODE_BUF 256
 #define FIRN_PY_MAX_THREADS 64
+#define FIRN_PY_SEEN_CACHE 16
 
 /* A process's interpreter: the record's fields as addresses of this process. */
 struct firn_py_proc {

@@ -31,9 +31,8 @@ struct {
 	__type(value, __u64);
 } pythreads SEC(".maps");
 
-/* Code objects met, by code id mixed with py_generation: each is copied once per
- * generation. The sampler moves the generation on when a subscriber arrives, so a new
- * subscriber gets every code object again. */
+/* Code objects met, by code id: each is copied once. The sampler empties the map when
+ * a subscriber arrives, so a new subscriber gets every code object again. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
@@ -57,8 +56,28 @@ struct {
 	__type(value, struct firn_py_code);
 } pyscratch SEC(".maps");
 
-/* Written by the sampler through the mmapped .bss. */
-volatile __u64 py_generation = 0;
+/* Moved on by the sampler each time it empties pyseen: the per-CPU caches of seen code
+ * ids are then dropped too. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} pyepoch SEC(".maps");
+
+/* Drops this CPU's cache of seen code ids if pyseen was emptied since it was filled. */
+static __always_inline void seen_cache_check(struct firn_unwind_state *st)
+{
+	__u32 zero = 0;
+	__u64 *epoch = bpf_map_lookup_elem(&pyepoch, &zero);
+	int i;
+
+	if (!epoch || *epoch == st->seen_epoch)
+		return;
+	for (i = 0; i < FIRN_PY_SEEN_CACHE; i++)
+		st->seen_ids[i] = 0;
+	st->seen_epoch = *epoch;
+}
 
 static __always_inline int in_eval(const struct firn_py_proc *p, __u64 pc)
 {
@@ -204,12 +223,16 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 {
 	struct firn_py_proc *p = &st->py;
 	struct firn_py_code *c;
-	__u64 seen = mix(id, py_generation), table, type = 0, size = 0;
-	__u32 zero = 0, n;
+	__u64 table, type = 0, size = 0;
+	__u32 zero = 0, n, slot = id & (FIRN_PY_SEEN_CACHE - 1);
 	__u8 yes = 1;
 
-	if (bpf_map_lookup_elem(&pyseen, &seen))
+	if (id && st->seen_ids[slot] == id)
 		return;
+	if (bpf_map_lookup_elem(&pyseen, &id)) {
+		st->seen_ids[slot] = id;
+		return;
+	}
 	c = bpf_map_lookup_elem(&pyscratch, &zero);
 	if (!c)
 		return;
@@ -242,7 +265,8 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 		return;
 	}
 	bump(FIRN_CTR_PY_CODE_COPIED);
-	bpf_map_update_elem(&pyseen, &seen, &yes, BPF_ANY);
+	bpf_map_update_elem(&pyseen, &id, &yes, BPF_ANY);
+	st->seen_ids[slot] = id;
 }
 
 /* Ends the Python frames of one eval call: the native step that follows unwinds the
@@ -308,7 +332,7 @@ static __noinline long python_step(struct firn_unwind_state *st)
 		st->stack.frames[len] = entry;
 	st->len = len + 1;
 	st->hash = mix(st->hash, entry);
-	bump(FIRN_CTR_PY_FRAMES);
+	st->py_frames++;
 	capture_code(st, id);
 	if (p->boundary == FIRN_PY_BOUNDARY_ONE_FRAME ||
 	    (p->boundary == FIRN_PY_BOUNDARY_IS_ENTRY && b))

@@ -76,6 +76,11 @@ struct firn_unwind_state {
 	__u8 py_skip_native;       /* the next native step unwinds an eval frame unrecorded */
 	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
 	__u64 py_hash;             /* seeded, of the process: code ids are per process */
+	__u32 py_frames;           /* Python frames this walk emitted (counted once) */
+	/* Code ids this CPU copied or found in pyseen lately (a per-CPU value outlives the
+	 * walk), valid while seen_epoch is pyepoch's: most frames skip the pyseen lookup. */
+	__u64 seen_epoch;
+	__u64 seen_ids[FIRN_PY_SEEN_CACHE];
 	struct firn_py_proc py;
 	__u8 frame_buf[FIRN_PY_FRAME_BUF];
 	__u8 code_buf[FIRN_PY_CODE_BUF];
@@ -428,7 +433,12 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 		st->py_state = FIRN_PY_STATE_UNLOOKED;
 		st->py_hash = mix(st->hash, 0x9e3779b97f4a7c15ULL);
 	}
+	st->py_frames = 0;
+	if (st->py_state)
+		seen_cache_check(st);
 	steps = bpf_loop(FIRN_UNWIND_STEPS, unwind_step, NULL, 0);
+	if (st->py_frames)
+		add(FIRN_CTR_PY_FRAMES, st->py_frames);
 	if (steps >= FIRN_UNWIND_STEPS && st->len < FIRN_MAX_STACK_DEPTH) {
 		/* Every step ran and none ended the walk. */
 		st->end = FIRN_END_DEPTH;

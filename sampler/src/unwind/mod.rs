@@ -137,10 +137,10 @@ pub struct Unwind {
 
 impl Unwind {
     /// Takes the maps' fds (duplicated before confinement): rows, tables and procmaps,
-    /// and the Python walk's pyprocs and pyseen.
+    /// and the Python walk's pyprocs, pyseen and pyepoch.
     pub(crate) fn new(
         (rows, tables, procmaps): (OwnedFd, OwnedFd, OwnedFd),
-        (pyprocs, pyseen): (OwnedFd, OwnedFd),
+        (pyprocs, pyseen, pyepoch): (OwnedFd, OwnedFd, OwnedFd),
         limits: Limits,
         counters: Rc<Counters>,
     ) -> Self {
@@ -158,7 +158,7 @@ impl Unwind {
             seq: 0,
             processes: HashMap::new(),
             users: HashMap::new(),
-            python: python::Interpreters::new(Some(pyprocs), Some(pyseen)),
+            python: python::Interpreters::new(Some(pyprocs), Some((pyseen, pyepoch))),
             counters,
         }
     }

@@ -51,15 +51,16 @@ pub(crate) enum InterpreterError {
     Map(i32),
 }
 
-/// The interpreters in `pyprocs`, by tgid, and the map of code objects already copied.
+/// The interpreters in `pyprocs`, by tgid, the map of code objects already copied
+/// (`pyseen`) and its epoch (`pyepoch`, which drops the walk's per-CPU caches of it).
 pub(crate) struct Interpreters {
     procs: Option<OwnedFd>,
-    seen: Option<OwnedFd>,
+    seen: Option<(OwnedFd, OwnedFd)>,
     loaded: HashMap<u32, ProcKey>,
 }
 
 impl Interpreters {
-    pub(crate) fn new(procs: Option<OwnedFd>, seen: Option<OwnedFd>) -> Self {
+    pub(crate) fn new(procs: Option<OwnedFd>, seen: Option<(OwnedFd, OwnedFd)>) -> Self {
         Self {
             procs,
             seen,
@@ -133,8 +134,26 @@ impl Interpreters {
     /// A new subscriber gets every code object's names again: the walk copies a code
     /// object only when `pyseen` does not have it.
     pub(crate) fn forget_seen(&self) -> u64 {
-        let Some(fd) = &self.seen else { return 0 };
-        let (n, _) = crate::drain::take_all(fd.as_fd(), (8, 1), (1024, 1 << 20), |_, _| {});
+        let Some((seen, epoch)) = &self.seen else {
+            return 0;
+        };
+        let (n, _) = crate::drain::take_all(seen.as_fd(), (8, 1), (1024, 1 << 20), |_, _| {});
+        let (zero, mut e) = (0u32, 0u64);
+        // SAFETY: pyepoch is an array of one u64 under key 0; both live for the calls.
+        unsafe {
+            libbpf_sys::bpf_map_lookup_elem(
+                epoch.as_raw_fd(),
+                (&raw const zero).cast(),
+                (&raw mut e).cast(),
+            );
+            e = e.wrapping_add(1);
+            libbpf_sys::bpf_map_update_elem(
+                epoch.as_raw_fd(),
+                (&raw const zero).cast(),
+                (&raw const e).cast(),
+                u64::from(libbpf_sys::BPF_ANY),
+            );
+        }
         n as u64
     }
 }
@@ -174,7 +193,20 @@ fn place(rec: &Record, key: ProcKey, m: &Mapping) -> Result<firn_py_proc, Interp
         .chain([rec.boundary_offset + 1])
         .max()
         .unwrap_or(0);
-    if frame_span > FRAME_BUF || rec.code_size > CODE_BUF {
+    // Of a code object the walk reads its fields, not its whole fixed part.
+    let code_span = [
+        rec.object_type,
+        rec.code_name,
+        rec.code_filename,
+        rec.code_linetable,
+        rec.code_firstlineno,
+    ]
+    .into_iter()
+    .map(|o| o + 8)
+    .max()
+    .unwrap_or(0)
+    .min(rec.code_size.max(8));
+    if frame_span > FRAME_BUF || code_span > CODE_BUF {
         return Err(InterpreterError::Invalid(Invalid::Offset));
     }
     Ok(firn_py_proc {
@@ -187,7 +219,7 @@ fn place(rec: &Record, key: ProcKey, m: &Mapping) -> Result<firn_py_proc, Interp
         types_checked: 0,
         reserved: [0; 3],
         frame_span,
-        code_span: rec.code_size,
+        code_span,
         eval_start: eval.0,
         eval_end: eval.1,
         cold_start: cold.0,
@@ -317,7 +349,7 @@ mod tests {
         let p = place(&r, KEY, &text()).expect("placed");
         assert_eq!(p.eval_start, 0x7f00_0010_0000 + 0xbdc0);
         assert_eq!(p.runtime, 0x7f00_0000_0000 + 0x64_3340);
-        assert_eq!((p.frame_span, p.code_span), (71, 200));
+        assert_eq!((p.frame_span, p.code_span), (71, 144));
     }
 
     #[test]
