@@ -4,7 +4,7 @@
 #![no_main]
 
 use firn_enricher::cpython::{line_at, line_ranges, LineFormat, Names};
-use firn_schema::python_record::{frame, CodeBlob};
+use firn_schema::python_code::{frame, CodeBlob};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

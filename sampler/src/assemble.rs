@@ -67,7 +67,7 @@ const USER_SPACE_END: u64 = 1 << 52;
 
 /// The plausible prefix of a user stack: user addresses and the walk's Python frames.
 fn user_prefix(frames: &[u64]) -> &[u64] {
-    use firn_schema::python_record::frame::is_python;
+    use firn_schema::python_code::frame::is_python;
     let n = frames
         .iter()
         .position(|&a| a == 0 || (a >= USER_SPACE_END && !is_python(a)))

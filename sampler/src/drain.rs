@@ -210,7 +210,7 @@ pub(crate) fn take_all(
 /// copied before it was counted, so they are all in by then.
 pub(crate) fn take_python_code(pycode: BorrowedFd<'_>, out: &mut Drained) {
     use firn_sampler_bpf::types::firn_py_code;
-    use firn_schema::python_record::{frame, CodeBlob};
+    use firn_schema::python_code::{frame, CodeBlob};
     let size = std::mem::size_of::<firn_py_code>();
     let max = firn_schema::limits::MAX_PYTHON_CODES as usize;
     let (_, failed) = take_all(pycode, (8, size), (32, max), |_, v| {

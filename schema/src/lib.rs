@@ -141,6 +141,7 @@ pub mod unwind_row {
     }
 }
 
+pub mod python_code;
 pub mod python_record;
 
 /// Reader limits for what the enricher receives (batches can be tens of MiB).

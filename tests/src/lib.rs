@@ -3,11 +3,13 @@
 //! unless `CI=true` or `FIRN_REQUIRE_BPF=1`, where they fail.
 
 mod cgroups;
+pub mod containers;
 mod env;
 mod firn;
 pub mod liar;
 mod proc;
 mod profiles;
+pub mod pyframes;
 mod receivers;
 mod workloads;
 

@@ -5,7 +5,7 @@
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
-use firn_schema::python_record::{frame, CodeBlob};
+use firn_schema::python_code::{frame, CodeBlob};
 use firn_tests::*;
 
 /// The executable ranges of `pid`, as root reads them.

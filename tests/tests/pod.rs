@@ -190,38 +190,16 @@ impl Drop for Cleanup {
     }
 }
 
-fn podman_usable() -> bool {
-    ["podman", "buildah", "runc"].iter().all(|p| {
-        Command::new(p)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    })
-}
-
 #[test]
 fn the_pod_profiles_a_container_under_podman() {
     if !can_run_bpf() {
         return;
     }
-    if !podman_usable() {
-        assert!(
-            !bpf_required(),
-            "podman, buildah and runc are required (tests/run.sh installs them)"
-        );
-        eprintln!("skipped: no podman/buildah/runc");
+    if !firn_tests::containers::podman_usable() {
         return;
     }
     let dir = TempDir::new("pod");
-    // runc, not crun (hybrid cgroups); no default ulimits (the machine's bounding set
-    // lacks CAP_SYS_RESOURCE); cgroupfs, since systemd is not PID 1 here.
-    let conf = dir.path().join("containers.conf");
-    std::fs::write(
-        &conf,
-        "[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = \"runc\"\n\
-         cgroup_manager = \"cgroupfs\"\nevents_logger = \"file\"\n",
-    )
-    .unwrap();
+    let conf = firn_tests::containers::containers_conf(dir.path());
     let image = "localhost/firn:test";
     let out = run(
         &conf,

@@ -34,7 +34,7 @@ impl Python {
         self.mapping
             .get_or_init(|| {
                 Arc::new(MappingSpec {
-                    start: firn_schema::python_record::frame::TAG,
+                    start: firn_schema::python_code::frame::TAG,
                     limit: u64::MAX,
                     offset: 0,
                     file: Arc::from(PYTHON_MAPPING),

@@ -165,7 +165,7 @@ impl Enricher {
         mappings: &mut HashMap<(u64, usize), Arc<MappingSpec>>,
     ) -> Frame {
         let m = &self.metrics;
-        if firn_schema::python_record::frame::is_python(addr) {
+        if firn_schema::python_code::frame::is_python(addr) {
             return self.python_frame(addr);
         }
         let found = entry.and_then(|e| e.mapping_of(addr).map(|(idx, mp)| (e, idx, mp)));

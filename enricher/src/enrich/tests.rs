@@ -216,7 +216,7 @@ fn without_a_link_or_with_refusals_frames_stay_addresses() {
 
 #[test]
 fn python_frames_are_named_from_the_batch_blobs() {
-    use firn_schema::python_record::{frame, CodeBlob};
+    use firn_schema::python_code::{frame, CodeBlob};
     let mut e = enricher();
     let addr = marker_function();
     let mut b = batch(1, addr, true);

@@ -7,7 +7,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use firn_schema::python_record::{code_flags, frame, CodeBlob};
+use firn_schema::python_code::{code_flags, frame, CodeBlob};
 
 use super::lines::{line_at, Format};
 use crate::model::Line;

@@ -402,6 +402,22 @@ mod tests {
                 lines: None,
             },
             Frame::Kernel(Arc::from("do_syscall_64")),
+            Frame::User {
+                mapping: Some(Arc::new(MappingSpec {
+                    start: 1 << 63,
+                    limit: u64::MAX,
+                    offset: 0,
+                    file: Arc::from(crate::model::PYTHON_MAPPING),
+                    build_id: Arc::from(""),
+                    symbolized: true,
+                })),
+                address: (1 << 63) | 5,
+                lines: Some(Arc::from(vec![crate::model::Line {
+                    function: Arc::from("K.method"),
+                    file: Arc::from("/srv/app.py"),
+                    line: 7,
+                }])),
+            },
         ]);
         let stack = StackSample {
             process_id: 1,
@@ -447,5 +463,20 @@ mod tests {
         let f = &d.function_table[k.lines[0].function_index as usize];
         assert_eq!(d.string_table[f.name_strindex as usize], "do_syscall_64");
         assert_ne!(profiles[0].profile_id, profiles[1].profile_id);
+        // Each location says what ran it (profile.frame.type).
+        let kind = |l: &Location| {
+            let a = &d.attribute_table[l.attribute_indices[0] as usize];
+            assert_eq!(
+                d.string_table[a.key_strindex as usize],
+                "profile.frame.type"
+            );
+            a.value.clone().and_then(|v| v.value)
+        };
+        let s = |v: &str| Some(any_value::Value::StringValue(v.into()));
+        assert_eq!(kind(leaf), s("native"));
+        assert_eq!(kind(k), s("kernel"));
+        let py = &d.location_table[stack.location_indices[2] as usize];
+        assert_eq!(kind(py), s("cpython"));
+        assert_eq!(py.lines[0].line, 7);
     }
 }
