@@ -138,6 +138,7 @@ metrics! {
     python_interpreters_send_errors: "interpreter records whose call failed",
     python_code_received: "Python code objects' names received and kept",
     python_code_malformed: "Python code blobs that failed their decode (dropped)",
+    python_code_evicted: "Python code objects' names dropped for room, least recently used first (their frames show [python: unknown code] later: the sampler sends names once a subscription)",
     python_frames_named: "Python frames named from their code object",
     python_frames_unnamed: "Python frames whose code object's names never arrived (shown as [python: unknown code])",
     user_stacks_incomplete: "user stacks the unwinder ended early (a marker frame names why)",

@@ -51,7 +51,7 @@ pub(crate) struct RoundData {
     /// Every process the samples refer to, as of this round.
     pub(crate) processes: Vec<Issued>,
     /// Python code objects' names, as the walk copied them (opaque here).
-    pub(crate) python_code: Vec<Vec<u8>>,
+    pub(crate) python_code: Vec<Rc<[u8]>>,
 }
 
 const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
@@ -155,7 +155,7 @@ pub(crate) fn assemble(
         samples,
         kernel_symbols: stacks.symbols,
         processes: processes.into_values().collect(),
-        python_code: drained.python_code,
+        python_code: drained.python_code.into_iter().map(Rc::from).collect(),
     }
 }
 

@@ -135,6 +135,7 @@ counters! {
     python_code_forwarded: "Python code objects' names forwarded to subscribers",
     python_code_drain_failures: "Python code entries that could not be read out of their map",
     python_code_reset: "copied-code marks cleared for a new subscriber (its code objects are copied again)",
+    python_code_dropped: "Python code blobs lost with dropped batches past the batch's bound (their frames stay unnamed)",
     bpf_python_frames: "Python frames the BPF walk emitted",
     bpf_python_no_thread: "Python walks with no thread state or no current frame for the sampled thread (native frames kept)",
     bpf_python_read_faults: "Python walks stopped: a frame or code object could not be read",

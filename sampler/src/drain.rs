@@ -162,7 +162,9 @@ pub(crate) fn take_all(
     let mut out_token = vec![0u8; key_size];
     let (mut taken, mut first) = (0, true);
     while taken < max {
-        let mut n = batch as u32;
+        // Never more than the bound: the kernel returns up to `n`, and the walk adds
+        // entries while the drain runs.
+        let mut n = batch.min(max - taken) as u32;
         let opts = batch_opts();
         let in_batch = if first {
             std::ptr::null_mut()

@@ -25,6 +25,9 @@ pub(crate) struct Outgoing {
     pub(crate) round: Rc<RoundData>,
     pub(crate) processes: Vec<Issued>,
     pub(crate) forgotten: Vec<u64>,
+    /// Python code blobs of batches dropped before this one (each code object's names
+    /// are copied once, so they must not be lost with their batch).
+    pub(crate) python_code: Vec<Rc<[u8]>>,
 }
 
 pub(crate) struct Subscriber {
@@ -209,6 +212,7 @@ impl Hub {
                 round: round.clone(),
                 processes,
                 forgotten,
+                python_code: Vec::new(),
             });
             bump(&c.batches_queued);
             while q.len() > self.queue_limit {
@@ -225,6 +229,16 @@ impl Hub {
                     carry(std::mem::take(&mut next.processes), &mut merged);
                     next.processes = self.fit(sub, merged, self.batch_record_bytes);
                     next.forgotten.extend(old.forgotten);
+                    // Within the batch's bound with the next round's own blobs; past it
+                    // the oldest go (counted; their frames stay unnamed).
+                    let room = (firn_schema::limits::MAX_PYTHON_CODES as usize)
+                        .saturating_sub(next.round.python_code.len());
+                    let mut code = old.python_code;
+                    code.extend(old.round.python_code.iter().cloned());
+                    code.append(&mut next.python_code);
+                    let excess = code.len().saturating_sub(room);
+                    crate::counters::add(&c.python_code_dropped, excess as u64);
+                    next.python_code = code.split_off(excess);
                 }
             }
             sub.wake.notify_one();

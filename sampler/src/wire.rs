@@ -2,7 +2,8 @@
 
 use firn_schema::firn_capnp::{batch, counter, process, sample, StackStatus as Wire};
 
-use crate::assemble::{Issued, RoundData, StackStatus};
+use crate::assemble::{Issued, StackStatus};
+use crate::hub::Outgoing;
 
 pub(crate) struct BatchMeta<'a> {
     pub(crate) session_id: u64,
@@ -36,13 +37,11 @@ pub(crate) fn fill_counters(
     }
 }
 
-pub(crate) fn fill_batch(
-    mut b: batch::Builder<'_>,
-    round: &RoundData,
-    processes: &[Issued],
-    forgotten: &[u64],
-    meta: &BatchMeta<'_>,
-) {
+/// The batch of `out` (its round, the records and forgotten ids for this subscriber, and
+/// code blobs carried from dropped batches).
+pub(crate) fn fill_batch(mut b: batch::Builder<'_>, out: &Outgoing, meta: &BatchMeta<'_>) {
+    let (round, processes, forgotten) = (&*out.round, &out.processes, &out.forgotten);
+    let carried_code = &out.python_code;
     let mut f = b
         .reborrow()
         .init_forgotten_processes(len32(forgotten.len()));
@@ -71,10 +70,9 @@ pub(crate) fn fill_batch(
     for (i, p) in processes.iter().enumerate() {
         fill_process(procs.reborrow().get(len32(i)), p);
     }
-    let mut code = b
-        .reborrow()
-        .init_python_code(len32(round.python_code.len()));
-    for (i, blob) in round.python_code.iter().enumerate() {
+    let blobs = carried_code.len() + round.python_code.len();
+    let mut code = b.reborrow().init_python_code(len32(blobs));
+    for (i, blob) in carried_code.iter().chain(&round.python_code).enumerate() {
         code.set(len32(i), blob);
     }
     let mut samples = b.init_samples(len32(round.samples.len()));

@@ -116,6 +116,15 @@ pub fn frames_of(names: &[String]) -> Vec<Fr> {
     names
         .iter()
         .map(|n| {
+            // A frame without file and line prints as its name alone (firn's
+            // `[python: …]` names have spaces).
+            if n.starts_with('[') && n.ends_with(']') {
+                return Fr {
+                    func: n.clone(),
+                    file: String::new(),
+                    line: 0,
+                };
+            }
             let (func, loc) = n.rsplit_once(' ').unwrap_or((n.as_str(), ""));
             let (file, line) = loc.trim().rsplit_once(':').unwrap_or((loc.trim(), "0"));
             // pprof drops `<…>` from names as C++ template arguments, so `<module>`

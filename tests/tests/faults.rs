@@ -138,6 +138,14 @@ fn mapped_binary_deleted_or_replaced_while_running() {
     // Refused as deleted when the record was read after the change (the mapping reads
     // "(deleted)"), or by identity when it was read before (the path now leads to
     // another inode): the sampler reads a new process within milliseconds, so either.
+    // Its counters reach the enricher with the next batch: wait for them.
+    let refused = |f: &Firn| {
+        f.metric("firn_sampler_broker_refused_deleted")
+            .unwrap_or(0.0)
+            + f.metric("firn_sampler_broker_refused_identity")
+                .unwrap_or(0.0)
+    };
+    wait_until(10 * SECS, || refused(&f) >= 2.0);
     let deleted = f
         .metric("firn_sampler_broker_refused_deleted")
         .unwrap_or(0.0)

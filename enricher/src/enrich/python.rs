@@ -83,7 +83,7 @@ impl Enricher {
                 // The mapping of an analysed file that holds its eval loop.
                 let found = e.record.mappings.iter().enumerate().find_map(|(i, m)| {
                     let rec = self.python.files.get(&(dev_of(m), m.inode))?.as_ref()?;
-                    let end = m.file_offset + (m.end - m.start);
+                    let end = m.file_offset.checked_add(m.end.checked_sub(m.start)?)?;
                     (m.file_offset <= rec.eval.0 && rec.eval.1 <= end).then_some((i, *rec))
                 });
                 if let Some((i, rec)) = found {
@@ -130,6 +130,8 @@ impl Enricher {
     /// The round's code objects' names, kept for its Python frames (and later rounds').
     pub(super) fn take_python_code(&mut self, batch: &Batch) {
         let m = &self.metrics;
+        self.python.names.next_round();
+        let evicted = self.python.names.evicted();
         for blob in &batch.python_code {
             match self.python.names.take(blob) {
                 Taken::New => Metrics::inc(&m.python_code_received),
@@ -137,5 +139,9 @@ impl Enricher {
                 Taken::Malformed => Metrics::inc(&m.python_code_malformed),
             }
         }
+        Metrics::add(
+            &m.python_code_evicted,
+            self.python.names.evicted() - evicted,
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! frame whose code object is not known is named as such, never guessed.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use firn_schema::python_code::{code_flags, frame, CodeBlob};
@@ -12,7 +13,8 @@ use firn_schema::python_code::{code_flags, frame, CodeBlob};
 use super::lines::{line_at, Format};
 use crate::model::Line;
 
-/// Bytes of decoded code objects kept (names and line tables); the oldest go first.
+/// Bytes of decoded code objects kept (names and line tables); the least recently
+/// used go first (the sampler sends a code object's names once).
 pub const MAX_BYTES: usize = 32 << 20;
 /// What one entry costs beyond its bytes.
 const ENTRY_OVERHEAD: usize = 96;
@@ -25,6 +27,8 @@ struct Code {
     first_line: u32,
     format: Option<Format>,
     table: Box<[u8]>,
+    /// The last round (`Names::tick`) a frame was named from it.
+    used: AtomicU64,
 }
 
 impl Code {
@@ -48,6 +52,9 @@ pub struct Names {
     codes: HashMap<u64, Arc<Code>>,
     order: VecDeque<u64>,
     bytes: usize,
+    /// Rounds seen ([`Names::next_round`]).
+    tick: u64,
+    evicted: u64,
 }
 
 impl Names {
@@ -63,11 +70,22 @@ impl Names {
         self.bytes
     }
 
+    /// Code objects dropped for room since the start.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
+    }
+
+    /// A new round: entries used in this one or the last are kept over older ones.
+    pub fn next_round(&mut self) {
+        self.tick += 1;
+    }
+
     /// A new sampler session: its ids mean other code objects.
     pub fn clear(&mut self) {
         self.codes.clear();
         self.order.clear();
         self.bytes = 0;
+        self.tick = 0;
     }
 
     /// Decodes one blob and keeps it.
@@ -99,16 +117,30 @@ impl Names {
             first_line: b.first_line,
             format: Format::of_minor(b.minor),
             table: b.table.into(),
+            used: AtomicU64::new(self.tick),
         };
         self.bytes += code.cost();
         self.codes.insert(b.id, Arc::new(code));
         self.order.push_back(b.id);
+        // Oldest first, but one used lately gets another turn (a few a call, so that a
+        // cache of code all in use costs no pass over it per blob).
+        let mut turns = self.order.len().min(64);
         while self.bytes > MAX_BYTES {
             let Some(old) = self.order.pop_front() else {
                 break;
             };
+            let recent = self
+                .codes
+                .get(&old)
+                .is_some_and(|c| c.used.load(Ordering::Relaxed) + 1 >= self.tick);
+            if recent && turns > 0 {
+                turns -= 1;
+                self.order.push_back(old);
+                continue;
+            }
             if let Some(c) = self.codes.remove(&old) {
                 self.bytes -= c.cost();
+                self.evicted += 1;
             }
         }
         Taken::New
@@ -119,6 +151,7 @@ impl Names {
     pub fn line(&self, entry: u64) -> Option<Line> {
         let (id, index) = frame::parts(entry);
         let c = self.codes.get(&id)?;
+        c.used.store(self.tick, Ordering::Relaxed);
         let first = i32::try_from(c.first_line).unwrap_or(0);
         let line = c
             .format
@@ -177,13 +210,22 @@ mod tests {
             id += 1;
             n.take(&blob(id, b"f", &TABLE));
         }
+        // Two rounds on, the first code object is still in use; the second is not.
+        n.next_round();
+        n.next_round();
+        assert!(n.line(frame::TAG | 1 << frame::INDEX_BITS).is_some());
         for _ in 0..100 {
             id += 1;
             n.take(&blob(id, b"f", &TABLE));
         }
         assert!(n.bytes() <= MAX_BYTES);
+        assert!(n.evicted() >= 90);
         assert!(
-            n.line(frame::TAG | 1 << frame::INDEX_BITS).is_none(),
+            n.line(frame::TAG | 1 << frame::INDEX_BITS).is_some(),
+            "in use: kept"
+        );
+        assert!(
+            n.line(frame::TAG | 2 << frame::INDEX_BITS).is_none(),
             "oldest gone"
         );
         assert!(n.line(frame::TAG | id << frame::INDEX_BITS).is_some());

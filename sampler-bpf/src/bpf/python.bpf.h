@@ -85,7 +85,8 @@ static __always_inline int in_eval(const struct firn_py_proc *p, __u64 pc)
 	       (pc >= p->cold_start && pc < p->cold_end);
 }
 
-/* A word of a buffer read from the process at a record's offset. */
+/* A word of a buffer read from the process at a record's offset (the pinned layouts'
+ * word fields are 8-byte aligned). */
 static __always_inline __u64 word_of(const __u8 *buf, __u32 off, __u32 size)
 {
 	if (off > size - 8)
@@ -93,35 +94,68 @@ static __always_inline __u64 word_of(const __u8 *buf, __u32 off, __u32 size)
 	return *(const __u64 *)(buf + off);
 }
 
-/* The type at `type` is named `want` (at most 7 characters and its NUL). */
+/* A 4-byte field (co_firstlineno, 4-byte aligned). */
+static __always_inline __u32 u32_of(const __u8 *buf, __u32 off, __u32 size)
+{
+	if (off > size - 4)
+		return 0;
+	return *(const __u32 *)(buf + off);
+}
+
+/* Of every standard CPython 3.10–3.13 build (the record's pinned layouts have tp_name
+ * at 24 with it): where PyTypeObject keeps tp_flags, and its heap-type flag. */
+#define FIRN_PY_TP_FLAGS 168
+#define FIRN_PY_TPFLAGS_HEAPTYPE (1ULL << 9)
+
+/* Whether the type at `type` is a static type named `want` (at most 7 characters and
+ * its NUL) whose own type is named "type": 1 yes, 0 no, -1 unreadable (a page not in
+ * memory yet: asked again at a later sample). */
 static __always_inline int type_named(const struct firn_py_proc *p, __u64 type, __u64 want, __u64 mask)
 {
-	__u64 name = 0, got = 0;
+	__u64 name = 0, got = 0, flags = 0, meta = 0, meta_name = 0;
 
-	if (read_user(&name, type + p->type_name) || !name || name >= USER_SPACE_END)
+	if (read_user(&name, type + p->type_name) || read_user(&flags, type + FIRN_PY_TP_FLAGS) ||
+	    read_user(&meta, type + p->object_type))
+		return -1;
+	if (!name || name >= USER_SPACE_END || !meta || meta >= USER_SPACE_END)
 		return 0;
-	if (bpf_probe_read_user(&got, sizeof(got), (const void *)name))
+	if (bpf_probe_read_user(&got, sizeof(got), (const void *)name) ||
+	    read_user(&meta_name, meta + p->type_name) || !meta_name || meta_name >= USER_SPACE_END)
+		return -1;
+	if ((got & mask) != want || (flags & FIRN_PY_TPFLAGS_HEAPTYPE))
 		return 0;
-	return (got & mask) == want;
+	got = 0;
+	if (bpf_probe_read_user(&got, sizeof(got), (const void *)meta_name))
+		return -1;
+	/* Little-endian "type\0". */
+	return (got & 0xffffffffffULL) == 0x65707974ULL;
 }
 
 /* Once per process (the answer is kept in its pyprocs entry): its record's types are
- * CPython's `code`, `str` and `bytes`. */
+ * CPython's static `code`, `str` and `bytes`. A read that fails is asked again later;
+ * only a type that was read and is not one of them is final. */
 static __noinline int types_ok(struct firn_py_proc *p)
 {
+	int c, s, b;
+
 	if (p->types_checked == 1)
 		return 1;
 	if (p->types_checked == 2)
 		return 0;
 	/* Little-endian "code\0", "str\0", "bytes\0". */
-	if (type_named(p, p->code_type, 0x65646f63ULL, 0xffffffffffULL) &&
-	    type_named(p, p->str_type, 0x727473ULL, 0xffffffffULL) &&
-	    type_named(p, p->bytes_type, 0x7365747962ULL, 0xffffffffffffULL)) {
+	c = type_named(p, p->code_type, 0x65646f63ULL, 0xffffffffffULL);
+	s = type_named(p, p->str_type, 0x727473ULL, 0xffffffffULL);
+	b = type_named(p, p->bytes_type, 0x7365747962ULL, 0xffffffffffffULL);
+	if (c == 1 && s == 1 && b == 1) {
 		p->types_checked = 1;
 		return 1;
 	}
-	p->types_checked = 2;
-	bump(FIRN_CTR_PY_BAD_TYPES);
+	if (c == 0 || s == 0 || b == 0) {
+		p->types_checked = 2;
+		bump(FIRN_CTR_PY_BAD_TYPES);
+	} else {
+		bump(FIRN_CTR_PY_READ_FAULT);
+	}
 	return 0;
 }
 
@@ -145,7 +179,11 @@ static __noinline __u64 thread_state(struct firn_unwind_state *st, __u32 tid)
 		if (!read_user(&id, ts + p->tstate_thread_id) && id == fsbase)
 			return ts;
 	}
-	if (read_user(&interp, p->runtime + p->runtime_interpreters) || !interp)
+	/* The main interpreter. The 3.10–3.12 layouts name `interpreters.main`; 3.13's
+	 * debug offsets name `interpreters.head` (the newest interpreter, a subinterpreter's
+	 * when there is one), which `main` follows. */
+	if (read_user(&interp, p->runtime + p->runtime_interpreters + (p->minor >= 13 ? 8 : 0)) ||
+	    !interp)
 		return 0;
 	if (read_user(&ts, interp + p->interp_threads_head))
 		return 0;
@@ -187,17 +225,31 @@ fault:
 }
 
 /* Copies a str's characters (compact ASCII only) into dst; returns the length taken,
- * sets FIRN_PY_* flags for truncation and other kinds. */
+ * sets FIRN_PY_* flags for truncation and other kinds, and *fault when a read failed
+ * (then nothing of the code object is kept, and it is copied again when met again). */
 static __always_inline __u32 copy_str(const struct firn_py_proc *p, __u64 obj, char *dst,
-				      __u32 cap, __u8 *flags, __u8 trunc_flag)
+				      __u32 cap, __u8 *flags, __u8 trunc_flag, int *fault)
 {
 	__u64 type = 0, len = 0;
 	__u32 state = 0, n;
 
-	if (!obj || read_user(&type, obj + p->object_type) || type != p->str_type ||
-	    read_user(&len, obj + p->str_length) ||
-	    bpf_probe_read_user(&state, sizeof(state), (const void *)(obj + p->str_state))) {
+	if (!obj) {
 		*flags |= FIRN_PY_NOT_STR;
+		return 0;
+	}
+	/* A failed read may be a page not in memory yet (3.11 on keep frozen modules' strs
+	 * in the interpreter's data) as well as no object at all: asked again later. */
+	if (read_user(&type, obj + p->object_type)) {
+		*fault = 1;
+		return 0;
+	}
+	if (type != p->str_type) {
+		*flags |= FIRN_PY_NOT_STR;
+		return 0;
+	}
+	if (read_user(&len, obj + p->str_length) ||
+	    bpf_probe_read_user(&state, sizeof(state), (const void *)(obj + p->str_state))) {
+		*fault = 1;
 		return 0;
 	}
 	/* state: interned (2 bits), kind (3), compact, ascii. */
@@ -211,7 +263,7 @@ static __always_inline __u32 copy_str(const struct firn_py_proc *p, __u64 obj, c
 	if (n > cap)
 		return 0;
 	if (bpf_probe_read_user(dst, n, (const void *)(obj + p->str_ascii_data))) {
-		*flags |= FIRN_PY_NOT_STR;
+		*fault = 1;
 		return 0;
 	}
 	return n;
@@ -226,6 +278,7 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 	__u64 table, type = 0, size = 0;
 	__u32 zero = 0, n, slot = id & (FIRN_PY_SEEN_CACHE - 1);
 	__u8 yes = 1;
+	int fault = 0;
 
 	if (id && st->seen_ids[slot] == id)
 		return;
@@ -240,23 +293,35 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 	c->minor = p->minor;
 	c->flags = 0;
 	c->reserved = 0;
-	c->first_line = (__u32)word_of(st->code_buf, p->code_firstlineno, FIRN_PY_CODE_BUF);
+	c->first_line = u32_of(st->code_buf, p->code_firstlineno, FIRN_PY_CODE_BUF);
 	c->name_len = copy_str(p, word_of(st->code_buf, p->code_name, FIRN_PY_CODE_BUF),
-			       c->name, FIRN_PY_NAME_BYTES, &c->flags, FIRN_PY_NAME_CUT);
+			       c->name, FIRN_PY_NAME_BYTES, &c->flags, FIRN_PY_NAME_CUT, &fault);
 	c->file_len = copy_str(p, word_of(st->code_buf, p->code_filename, FIRN_PY_CODE_BUF),
-			       c->file, FIRN_PY_FILE_BYTES, &c->flags, FIRN_PY_FILE_CUT);
+			       c->file, FIRN_PY_FILE_BYTES, &c->flags, FIRN_PY_FILE_CUT, &fault);
 	c->table_len = 0;
 	table = word_of(st->code_buf, p->code_linetable, FIRN_PY_CODE_BUF);
-	if (table && !read_user(&type, table + p->object_type) && type == p->bytes_type &&
-	    !read_user(&size, table + p->bytes_size)) {
+	if (!table) {
+		c->flags |= FIRN_PY_NOT_BYTES;
+	} else if (read_user(&type, table + p->object_type) ||
+		   read_user(&size, table + p->bytes_size)) {
+		fault = 1;
+	} else if (type != p->bytes_type) {
+		c->flags |= FIRN_PY_NOT_BYTES;
+	} else {
 		n = size > FIRN_PY_TABLE_BYTES ? FIRN_PY_TABLE_BYTES : (__u32)size;
 		if (size > FIRN_PY_TABLE_BYTES)
 			c->flags |= FIRN_PY_TABLE_CUT;
 		if (n <= FIRN_PY_TABLE_BYTES &&
-		    !bpf_probe_read_user(c->table, n, (const void *)(table + p->bytes_data)))
+		    bpf_probe_read_user(c->table, n, (const void *)(table + p->bytes_data)))
+			fault = 1;
+		else
 			c->table_len = n;
-	} else {
-		c->flags |= FIRN_PY_NOT_BYTES;
+	}
+	if (fault) {
+		/* Part of it is not in memory now (paged out, not yet touched): its frames
+		 * stay unnamed until it is met again and read whole. */
+		bump(FIRN_CTR_PY_READ_FAULT);
+		return;
 	}
 	if (bpf_map_update_elem(&pycode, &id, c, BPF_NOEXIST) != 0 &&
 	    !bpf_map_lookup_elem(&pycode, &id)) {
@@ -269,12 +334,13 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 	st->seen_ids[slot] = id;
 }
 
-/* Ends the Python frames of one eval call: the native step that follows unwinds the
- * eval frame without recording it. */
+/* Ends the Python frames of one eval call. The native step that follows unwinds the
+ * eval frame without recording it when Python frames stand in for it, and keeps it
+ * (without walking it again) when none could be emitted. */
 static __always_inline long end_eval_call(struct firn_unwind_state *st)
 {
 	st->py_walking = 0;
-	st->py_skip_native = 1;
+	st->py_skip_native = st->py_call_frames ? FIRN_PY_AFTER_UNRECORDED : FIRN_PY_AFTER_RECORDED;
 	return 0;
 }
 
@@ -333,6 +399,7 @@ static __noinline long python_step(struct firn_unwind_state *st)
 	st->len = len + 1;
 	st->hash = mix(st->hash, entry);
 	st->py_frames++;
+	st->py_call_frames++;
 	capture_code(st, id);
 	if (p->boundary == FIRN_PY_BOUNDARY_ONE_FRAME ||
 	    (p->boundary == FIRN_PY_BOUNDARY_IS_ENTRY && b))
@@ -354,6 +421,7 @@ static __always_inline int python_enter(struct firn_unwind_state *st, __u32 tid)
 	if (!st->py_frame)
 		return 0;
 	st->py_walking = 1;
+	st->py_call_frames = 0;
 	return 1;
 }
 

@@ -73,7 +73,10 @@ struct firn_unwind_state {
 	__u32 tid;
 	__u8 py_state;             /* enum firn_py_state */
 	__u8 py_walking;           /* the next steps are Python frames of one eval call */
-	__u8 py_skip_native;       /* the next native step unwinds an eval frame unrecorded */
+	__u8 py_skip_native;       /* what the next native step does with an eval frame
+				    * whose Python frames were walked (enum firn_py_after) */
+	__u8 stopped;              /* a step ended the walk (not the step budget) */
+	__u32 py_call_frames;      /* Python frames of the eval call being walked */
 	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
 	__u64 py_hash;             /* seeded, of the process: code ids are per process */
 	__u32 py_frames;           /* Python frames this walk emitted (counted once) */
@@ -84,6 +87,12 @@ struct firn_unwind_state {
 	struct firn_py_proc py;
 	__u8 frame_buf[FIRN_PY_FRAME_BUF];
 	__u8 code_buf[FIRN_PY_CODE_BUF];
+};
+
+enum firn_py_after {
+	FIRN_PY_AFTER_NONE = 0,       /* not an eval frame just walked */
+	FIRN_PY_AFTER_UNRECORDED = 1, /* its Python frames stand in for it */
+	FIRN_PY_AFTER_RECORDED = 2,   /* none were emitted: it stays, not walked again */
 };
 
 enum firn_py_state {
@@ -231,19 +240,13 @@ static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
  * executable mappings, and every read lies in a bounded window above the stack pointer
  * of the frame being walked, so a lying table can pick among the process's code
  * addresses and nothing else (DESIGN rule 9). 1 stops the loop. */
-static long unwind_step(__u32 i, void *data)
+static __always_inline long walk_step(struct firn_unwind_state *st)
 {
-	struct firn_unwind_state *st;
 	struct firn_unwind_row row = {};
-	__u32 zero = 0, len, why, kind;
+	__u32 len, why, kind;
 	__u64 cfa, ra, bp, sp, pc;
 	__u8 cfa_kind, rbp_kind;
 
-	(void)i;
-	(void)data;
-	st = bpf_map_lookup_elem(&scratch, &zero);
-	if (!st)
-		return 1;
 	if (st->py_walking)
 		return python_step(st);
 	len = st->len;
@@ -263,12 +266,13 @@ static long unwind_step(__u32 i, void *data)
 	}
 	/* An eval loop's frame: its Python frames first (the following steps), then this
 	 * frame is unwound in place without being recorded, as the peers show it. */
-	if (st->py_skip_native) {
-		st->py_skip_native = 0;
-	} else if (st->py_state && kind < MAPPING_NONE && in_eval(&st->py, pc) &&
-		   python_enter(st, st->tid)) {
+	if (st->py_skip_native == FIRN_PY_AFTER_UNRECORDED) {
+		st->py_skip_native = FIRN_PY_AFTER_NONE;
+	} else if (st->py_skip_native == FIRN_PY_AFTER_NONE && st->py_state && kind < MAPPING_NONE &&
+		   in_eval(&st->py, st->exact_pc ? pc : pc - 1) && python_enter(st, st->tid)) {
 		return 0;
 	} else {
+		st->py_skip_native = FIRN_PY_AFTER_NONE;
 		st->stack.frames[len] = pc;
 		st->len = len + 1;
 		st->hash = mix(st->hash, pc);
@@ -379,6 +383,23 @@ static long unwind_step(__u32 i, void *data)
 	return ra < 4096 || ra >= USER_SPACE_END;
 }
 
+static long unwind_step(__u32 i, void *data)
+{
+	struct firn_unwind_state *st;
+	__u32 zero = 0;
+	long r;
+
+	(void)i;
+	(void)data;
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st)
+		return 1;
+	r = walk_step(st);
+	if (r)
+		st->stopped = 1;
+	return r;
+}
+
 /* Unwinds the user stack of the sampled task into ustacks (`set`), fills the key's
  * user_stack, user_status and unwind_end. */
 static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct task_struct *task,
@@ -434,12 +455,13 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 		st->py_hash = mix(st->hash, 0x9e3779b97f4a7c15ULL);
 	}
 	st->py_frames = 0;
+	st->stopped = 0;
 	if (st->py_state)
 		seen_cache_check(st);
 	steps = bpf_loop(FIRN_UNWIND_STEPS, unwind_step, NULL, 0);
 	if (st->py_frames)
 		add(FIRN_CTR_PY_FRAMES, st->py_frames);
-	if (steps >= FIRN_UNWIND_STEPS && st->len < FIRN_MAX_STACK_DEPTH) {
+	if (steps >= FIRN_UNWIND_STEPS && !st->stopped && st->len < FIRN_MAX_STACK_DEPTH) {
 		/* Every step ran and none ended the walk. */
 		st->end = FIRN_END_DEPTH;
 		bump(FIRN_CTR_LOOP_BUDGET);

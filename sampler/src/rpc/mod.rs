@@ -130,13 +130,7 @@ pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: bat
             counters: &counters,
         };
         let mut req = sink.push_request();
-        wire::fill_batch(
-            req.get().init_batch(),
-            &out.round,
-            &out.processes,
-            &out.forgotten,
-            &meta,
-        );
+        wire::fill_batch(req.get().init_batch(), &out, &meta);
         drop(out);
         match req.send().await {
             Ok(()) => bump(&c.batches_sent),

@@ -439,11 +439,20 @@ impl Unwind {
         for f in &files {
             *self.users.entry(*f).or_default() += 1;
         }
-        if let Some((_, _, old)) = self
+        if let Some((start_ns, exec_id, old)) = self
             .processes
             .insert(key.tgid, (key.start_ns, key.exec_id, files))
         {
             self.unuse(&old);
+            // Another process under this pid now (an exec, or a pid reused): the old
+            // one's interpreter goes with its mappings.
+            if (start_ns, exec_id) != (key.start_ns, key.exec_id) {
+                self.python.forget(crate::processes::ProcKey {
+                    tgid: key.tgid,
+                    start_ns,
+                    exec_id,
+                });
+            }
         }
     }
 

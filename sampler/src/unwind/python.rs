@@ -268,12 +268,19 @@ impl super::Unwind {
         if self.owner.is_some_and(|o| o != owner) {
             return Err(InterpreterError::NotOwner);
         }
+        // The process as the unwinder's map has it now, and only if it still maps the
+        // named file: a record of the program before an exec names a file the new one
+        // may not map.
         let key = match self.processes.get(&tgid) {
-            Some(&(s, exec_id, _)) if s == start_ns => ProcKey {
-                tgid,
-                start_ns,
-                exec_id,
-            },
+            Some((s, exec_id, files))
+                if *s == start_ns && files.contains(&super::FileKey::of(m)) =>
+            {
+                ProcKey {
+                    tgid,
+                    start_ns,
+                    exec_id: *exec_id,
+                }
+            }
             _ => return Err(InterpreterError::UnknownProcess),
         };
         let r = self.python.load(key, m, bytes);
