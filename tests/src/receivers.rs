@@ -116,3 +116,29 @@ pub fn standin_state(out: &Path) -> Value {
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or(Value::Null)
 }
+
+/// OTLP profiles of `pid` of one sample type.
+pub fn otlp_profiles(out: &Path, pid: u32, ty: &str) -> Vec<Value> {
+    received_kind(out, "profile")
+        .into_iter()
+        .filter(|p| p["type"] == ty && p["resource"]["process.pid"].as_u64() == Some(pid as u64))
+        .collect()
+}
+
+/// (time_nanos → sample count) of `pid` in what the Parca stand-in received.
+pub fn parca_rounds(out: &Path, pid: u32) -> std::collections::HashMap<u64, u64> {
+    let mut m = std::collections::HashMap::new();
+    for w in received_kind(out, "writeraw") {
+        for s in w["series"].as_array().unwrap() {
+            if s["labels"]["pid"].as_str() != Some(pid.to_string().as_str()) {
+                continue;
+            }
+            for smp in s["samples"].as_array().unwrap() {
+                // A string: JSON numbers in JavaScript cannot hold nanoseconds since 1970.
+                let t: u64 = smp["time_nanos"].as_str().unwrap().parse().unwrap();
+                *m.entry(t).or_insert(0) += smp["totals"][0].as_u64().unwrap();
+            }
+        }
+    }
+    m
+}
