@@ -149,13 +149,13 @@ pub(crate) fn drain(
 
 /// Takes every entry out of a hash map in batches of `batch`, handing each (key, value)
 /// to `f`, at most `max` entries (the rest stay for the next call). Returns the
-/// entries taken and whether a batch failed (counted by the caller).
+/// entries taken, or the error of the batch that failed (the caller counts it).
 pub(crate) fn take_all(
     map: BorrowedFd<'_>,
     (key_size, value_size): (usize, usize),
     (batch, max): (usize, usize),
     mut f: impl FnMut(&[u8], &[u8]),
-) -> (usize, bool) {
+) -> Result<usize, std::io::Error> {
     let mut keys = vec![0u8; batch * key_size];
     let mut values = vec![0u8; batch * value_size];
     let mut token = vec![0u8; key_size];
@@ -188,7 +188,7 @@ pub(crate) fn take_all(
             0 => false,
             libc::ENOENT => true,
             libc::EINTR => continue,
-            _ => return (taken, true),
+            e => return Err(std::io::Error::from_raw_os_error(e)),
         };
         for i in 0..(n as usize).min(batch) {
             f(
@@ -203,7 +203,7 @@ pub(crate) fn take_all(
         token.copy_from_slice(&out_token);
         first = false;
     }
-    (taken, false)
+    Ok(taken)
 }
 
 /// Every entry of the Python walk's code map, taken out, cut to the lengths the walk
@@ -215,7 +215,7 @@ pub(crate) fn take_python_code(pycode: BorrowedFd<'_>, out: &mut Drained) {
     use firn_schema::python_code::{frame, CodeBlob};
     let size = std::mem::size_of::<firn_py_code>();
     let max = firn_schema::limits::MAX_PYTHON_CODES as usize;
-    let (_, failed) = take_all(pycode, (8, size), (32, max), |_, v| {
+    let taken = take_all(pycode, (8, size), (32, max), |_, v| {
         // SAFETY: `v` holds size_of::<firn_py_code>() bytes, read unaligned; the type is
         // plain integers and byte arrays, valid for any bit pattern.
         let v: firn_py_code = unsafe { std::ptr::read_unaligned(v.as_ptr().cast()) };
@@ -239,61 +239,23 @@ pub(crate) fn take_python_code(pycode: BorrowedFd<'_>, out: &mut Drained) {
         };
         out.python_code.push(blob.to_bytes());
     });
-    if failed {
+    if taken.is_err() {
         out.python_code_failures += 1;
     }
 }
 
 /// Every sample key and count, taken out of the counts map in batches.
 fn drain_counts(counts: BorrowedFd<'_>, out: &mut Drained) -> Result<(), DrainError> {
-    let mut keys = vec![0u8; BATCH * KEY_SIZE];
-    let mut values = vec![0u64; BATCH];
-    let mut token = [0u8; KEY_SIZE];
-    let mut first = true;
-    loop {
-        let mut n = BATCH as u32;
-        let opts = batch_opts();
-        let in_batch = if first {
-            std::ptr::null_mut()
-        } else {
-            token.as_mut_ptr().cast()
-        };
-        let mut out_token = [0u8; KEY_SIZE];
-        // SAFETY: the buffers hold BATCH keys / values of the map's sizes, the token
-        // buffers one key each; libbpf writes at most `n` entries.
-        let ret = unsafe {
-            libbpf_sys::bpf_map_lookup_and_delete_batch(
-                counts.as_raw_fd(),
-                in_batch,
-                out_token.as_mut_ptr().cast(),
-                keys.as_mut_ptr().cast(),
-                values.as_mut_ptr().cast(),
-                &mut n,
-                &opts,
-            )
-        };
-        let done = if ret < 0 {
-            let err = std::io::Error::from_raw_os_error(-ret);
-            match -ret {
-                libc::ENOENT => true,
-                libc::EINTR => continue,
-                _ => return Err(DrainError::Counts(err)),
-            }
-        } else {
-            false
-        };
-        for i in 0..(n as usize).min(BATCH) {
-            if let Some(mut s) = parse_key(&keys[i * KEY_SIZE..(i + 1) * KEY_SIZE]) {
-                s.count = values[i];
-                out.samples.push(s);
-            }
+    take_all(counts, (KEY_SIZE, 8), (BATCH, usize::MAX), |k, v| {
+        if let Some(mut s) = parse_key(k) {
+            let mut c = [0u8; 8];
+            c.copy_from_slice(v);
+            s.count = u64::from_ne_bytes(c);
+            out.samples.push(s);
         }
-        if done {
-            return Ok(());
-        }
-        token = out_token;
-        first = false;
-    }
+    })
+    .map(|_| ())
+    .map_err(DrainError::Counts)
 }
 
 /// The user stacks the samples name, each taken out of its map once.

@@ -145,3 +145,23 @@ pub fn run_local<F: std::future::Future<Output = String>>(f: F) -> String {
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, f)
 }
+
+/// The executable ranges of `pid` (files, anonymous code, the vDSO), as root reads them.
+pub fn code_ranges(pid: u32) -> Vec<(u64, u64)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("victim maps");
+    maps.lines()
+        .filter_map(|l| {
+            let mut it = l.split_whitespace();
+            let range = it.next()?;
+            let perms = it.next()?;
+            if perms.as_bytes().get(2) != Some(&b'x') {
+                return None;
+            }
+            let (a, b) = range.split_once('-')?;
+            Some((
+                u64::from_str_radix(a, 16).ok()?,
+                u64::from_str_radix(b, 16).ok()?,
+            ))
+        })
+        .collect()
+}

@@ -6,26 +6,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
 use firn_schema::python_code::{frame, CodeBlob};
+use firn_tests::liar::code_ranges;
 use firn_tests::*;
-
-/// The executable ranges of `pid`, as root reads them.
-fn code_ranges(pid: u32) -> Vec<(u64, u64)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("victim maps");
-    maps.lines()
-        .filter_map(|l| {
-            let mut it = l.split_whitespace();
-            let (range, perms) = (it.next()?, it.next()?);
-            if perms.as_bytes().get(2) != Some(&b'x') {
-                return None;
-            }
-            let (a, b) = range.split_once('-')?;
-            Some((
-                u64::from_str_radix(a, 16).ok()?,
-                u64::from_str_radix(b, 16).ok()?,
-            ))
-        })
-        .collect()
-}
 
 fn random(n: usize) -> Vec<u8> {
     use std::io::Read;

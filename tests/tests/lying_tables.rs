@@ -6,28 +6,9 @@ use std::collections::BTreeSet;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
+use firn_tests::liar::code_ranges;
 use firn_tests::*;
 use serde_json::Value;
-
-/// The executable ranges of `pid` (files, anonymous code, the vDSO), as root reads them.
-fn code_ranges(pid: u32) -> Vec<(u64, u64)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("victim maps");
-    maps.lines()
-        .filter_map(|l| {
-            let mut it = l.split_whitespace();
-            let range = it.next()?;
-            let perms = it.next()?;
-            if perms.as_bytes().get(2) != Some(&b'x') {
-                return None;
-            }
-            let (a, b) = range.split_once('-')?;
-            Some((
-                u64::from_str_radix(a, 16).ok()?,
-                u64::from_str_radix(b, 16).ok()?,
-            ))
-        })
-        .collect()
-}
 
 /// 16 secret words, each one the old walk would have recorded as a frame (in
 /// [4096, 2^47)): 8 key words, and 8 password words of six printable bytes and two

@@ -269,9 +269,17 @@ static __always_inline __u32 copy_str(const struct firn_py_proc *p, __u64 obj, c
 	return n;
 }
 
-/* Copies what names code object `code` (its fixed part read into `cb`) into pycode
- * under `id`, once. */
-static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
+/* Whether the word at `code + off` still reads as st->code_buf has it. */
+static __always_inline int unchanged(struct firn_unwind_state *st, __u64 code, __u32 off)
+{
+	__u64 now = 0;
+
+	return !read_user(&now, code + off) && now == word_of(st->code_buf, off, FIRN_PY_CODE_BUF);
+}
+
+/* Copies what names code object `code` (its fixed part read into st->code_buf) into
+ * pycode under `id`, once. */
+static __noinline void capture_code(struct firn_unwind_state *st, __u64 code, __u64 id)
 {
 	struct firn_py_proc *p = &st->py;
 	struct firn_py_code *c;
@@ -317,9 +325,16 @@ static __noinline void capture_code(struct firn_unwind_state *st, __u64 id)
 		else
 			c->table_len = n;
 	}
+	/* Another thread of the process may have freed the code object meanwhile and the
+	 * memory of its names held other objects by the time they were copied: what was
+	 * copied counts only if the object still points at the same names. */
+	if (!fault && !(unchanged(st, code, p->object_type) && unchanged(st, code, p->code_name) &&
+			unchanged(st, code, p->code_filename) &&
+			unchanged(st, code, p->code_linetable)))
+		fault = 1;
 	if (fault) {
-		/* Part of it is not in memory now (paged out, not yet touched): its frames
-		 * stay unnamed until it is met again and read whole. */
+		/* Part of it is not in memory now (paged out, not yet touched) or it changed:
+		 * its frames stay unnamed until it is met again and read whole. */
 		bump(FIRN_CTR_PY_READ_FAULT);
 		return;
 	}
@@ -400,7 +415,7 @@ static __noinline long python_step(struct firn_unwind_state *st)
 	st->hash = mix(st->hash, entry);
 	st->py_frames++;
 	st->py_call_frames++;
-	capture_code(st, id);
+	capture_code(st, code, id);
 	if (p->boundary == FIRN_PY_BOUNDARY_ONE_FRAME ||
 	    (p->boundary == FIRN_PY_BOUNDARY_IS_ENTRY && b))
 		return end_eval_call(st);

@@ -11,9 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use capnp_rpc::{rpc_twoparty_capnp::Side, twoparty, RpcSystem};
 use firn_schema::firn_capnp::{batch_sink, sampler, subscription};
-use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -171,23 +169,10 @@ fn rpc(sock: &str, scenario: &str) -> String {
 }
 
 async fn scenario_rpc(sock: String, scenario: String) -> String {
-    let stream = tokio::net::UnixStream::connect(&sock)
-        .await
-        .expect("connect");
-    let (r, w) = stream.into_split();
-    let network = twoparty::VatNetwork::new(
-        futures::io::BufReader::new(r.compat()),
-        w.compat_write(),
-        Side::Client,
-        Default::default(),
-    );
-    let mut rpc = RpcSystem::new(Box::new(network), None);
-    let client: sampler::Client = rpc.bootstrap(Side::Server);
-    let (ended_tx, ended_rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::task::spawn_local(async move {
-        let _ = rpc.await;
-        let _ = ended_tx.send(());
-    });
+    let firn_tests::liar::Session {
+        client,
+        ended: ended_rx,
+    } = firn_tests::liar::connect(&sock).await;
     let ended = async move {
         let _ = ended_rx.await;
     };
