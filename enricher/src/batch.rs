@@ -44,6 +44,9 @@ pub(crate) struct Process {
     pub(crate) mappings: Vec<Mapping>,
     pub(crate) mappings_version: u32,
     pub(crate) complete: bool,
+    /// CLOCK_BOOTTIME ns of its first sample as the sampler heard of it (0: unknown).
+    #[serde(skip)]
+    pub(crate) first_sample_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
@@ -191,6 +194,13 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
     })
 }
 
+/// The records of an announcement (a new process's, between rounds).
+pub(crate) fn announced(
+    p: firn_capnp::batch_sink::announce_params::Reader<'_>,
+) -> Result<Vec<Process>, DecodeError> {
+    processes(p.get_processes()?)
+}
+
 /// The batch's process records, every list and field within its bound.
 fn processes(
     procs: capnp::struct_list::Reader<'_, firn_capnp::process::Owned>,
@@ -231,6 +241,7 @@ fn processes(
                 .collect::<Result<_, DecodeError>>()?,
             mappings_version: p.get_mappings_version(),
             complete: p.get_complete(),
+            first_sample_ns: p.get_first_sample_ns(),
         });
     }
 

@@ -42,6 +42,8 @@ pub(crate) enum Event {
     /// A session started; `broker` is absent when its channel could not be opened.
     Connected(SamplerInfo, Option<Rc<Broker>>),
     Batch(Batch),
+    /// Records of processes just seen, ahead of their round's batch.
+    Announce(Vec<batch::Process>),
     Disconnected,
 }
 
@@ -71,6 +73,29 @@ impl batch_sink::Server for Sink {
                 Err(e) => {
                     Metrics::inc(&self.metrics.batches_rejected);
                     tracing::warn!(error = %e, "batch rejected");
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn announce(
+        self: Rc<Self>,
+        params: batch_sink::AnnounceParams,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        let decoded = params
+            .get()
+            .map_err(batch::DecodeError::from)
+            .and_then(batch::announced);
+        async move {
+            match decoded {
+                Ok(p) => {
+                    Metrics::inc(&self.metrics.announcements_received);
+                    let _ = self.tx.send(Event::Announce(p)).await;
+                }
+                Err(e) => {
+                    Metrics::inc(&self.metrics.announcements_rejected);
+                    tracing::warn!(error = %e, "announcement rejected");
                 }
             }
             Ok(())

@@ -26,8 +26,13 @@ macro_rules! metrics {
             pub(crate) symbol_frames_cached: AtomicU64,
             /// The Landlock ABI of the enricher's confinement (gauge; 0: none).
             pub(crate) landlock_abi: AtomicU64,
+            /// Bytes and entries of the on-disk unwind table cache (gauges).
+            pub(crate) unwind_cache_bytes: AtomicU64,
+            pub(crate) unwind_cache_entries: AtomicU64,
             /// Delivery counters of the upload sinks (OTLP, Parca).
             pub(crate) sinks: Mutex<Vec<std::sync::Arc<SinkMetrics>>>,
+            /// From a binary's first sample to its unwind table in the sampler.
+            pub(crate) unwind_table_ready: Histogram,
         }
 
         impl Metrics {
@@ -51,6 +56,8 @@ macro_rules! metrics {
                     ("symbol_bytes_held", "Bytes of symbol tables and DWARF whose parse the symbolizer holds (bounded by --symbol-budget).", &self.symbol_bytes_held),
                     ("symbol_frames_cached", "Named frames in the frame cache (bounded by --symbol-frames).", &self.symbol_frames_cached),
                     ("landlock_abi", "The Landlock ABI the enricher confined itself with (0: none, or --unconfined).", &self.landlock_abi),
+                    ("unwind_cache_bytes", "Bytes of the on-disk unwind table cache (bounded by --unwind-cache-size).", &self.unwind_cache_bytes),
+                    ("unwind_cache_entries", "Unwind tables in the on-disk cache.", &self.unwind_cache_entries),
                 ] {
                     let _ = writeln!(out, "# HELP firn_enricher_{name} {help}");
                     let _ = writeln!(out, "# TYPE firn_enricher_{name} gauge");
@@ -59,6 +66,11 @@ macro_rules! metrics {
                 if let Ok(s) = self.sinks.lock() {
                     SinkMetrics::render(&s, &mut out);
                 }
+                self.unwind_table_ready.render(
+                    "firn_enricher_unwind_table_ready_seconds",
+                    "Time from the first sample of a process mapping a binary without a table to that table loaded in the sampler (only binaries that needed one).",
+                    &mut out,
+                );
                 if let Ok(s) = self.sampler.lock() {
                     for (name, value) in s.iter() {
                         let name: String = name
@@ -127,7 +139,15 @@ metrics! {
     unwind_table_build_errors: "binaries no unwind table could be built from (no CFI, malformed, not x86_64)",
     unwind_table_build_ns: "nanoseconds spent building unwind tables",
     unwind_tables_sent: "unwind tables the sampler took",
-    unwind_tables_deferred_few_samples: "processes whose tables waited a round for want of samples (--unwind-min-samples)",
+    unwind_table_cache_hits: "unwind tables read from the on-disk cache (no CFI parse)",
+    unwind_table_cache_misses: "unwind tables not in the on-disk cache (built from CFI)",
+    unwind_table_cache_corrupt: "cached unwind tables that failed their check (removed, built again, never sent)",
+    unwind_table_cache_evicted: "cached unwind tables removed to keep the cache within --unwind-cache-size",
+    unwind_table_cache_write_errors: "unwind tables that could not be written to the on-disk cache",
+    unwind_tables_early: "unwind tables built and sent between rounds, from a process's announcement",
+    unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",
+    announcements_received: "announcements of new processes received between rounds",
+    announcements_rejected: "announcements rejected as malformed or over a limit",
     unwind_table_rows_sent: "unwind rows the sampler took",
     unwind_tables_refused: "unwind tables the sampler refused (see log: budget, owner, rate)",
     unwind_table_send_errors: "unwind tables whose sending failed in transport",
@@ -160,6 +180,51 @@ impl Metrics {
 
     pub(crate) fn add(c: &AtomicU64, n: u64) {
         c.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
+/// Upper bounds of the histogram's buckets, in ms.
+const BUCKETS_MS: [u64; 12] = [
+    10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000,
+];
+
+/// A Prometheus histogram of durations, in fixed buckets.
+#[derive(Default)]
+pub(crate) struct Histogram {
+    /// Observations at or under each bound (not cumulative), and over the last.
+    counts: [AtomicU64; BUCKETS_MS.len() + 1],
+    sum_ms: AtomicU64,
+}
+
+impl Histogram {
+    pub(crate) fn observe_ms(&self, ms: u64) {
+        let i = BUCKETS_MS.partition_point(|&b| b < ms);
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_ms.fetch_add(ms, Ordering::Relaxed);
+    }
+
+    fn render(&self, name: &str, help: &str, out: &mut String) {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let mut total = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            total += c.load(Ordering::Relaxed);
+            match BUCKETS_MS.get(i) {
+                Some(b) => {
+                    let _ = writeln!(
+                        out,
+                        "{name}_bucket{{le=\"{}\"}} {total}",
+                        *b as f64 / 1000.0
+                    );
+                }
+                None => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {total}");
+                }
+            }
+        }
+        let sum = self.sum_ms.load(Ordering::Relaxed) as f64 / 1000.0;
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {total}");
     }
 }
 

@@ -106,6 +106,13 @@ fn confine(s: &Settings) -> Result<confine::Report, ExitCode> {
             return Err(ExitCode::from(2));
         }
     }
+    if let Some(dir) = s.unwind_cache() {
+        // Made before the confinement, which allows writes only beneath folders that exist.
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            tracing::error!(path = %dir.display(), error = %e, "creating the unwind table cache's folder (--unwind-cache-size 0 turns it off)");
+            return Err(ExitCode::from(2));
+        }
+    }
     if s.http_self_profile && !s.dump {
         // The self-profiler writes a temporary file: keep it in a folder of ours, not
         // in /tmp, which stays closed to writes.
@@ -247,7 +254,9 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
             .flatten(),
     };
     let mut exit = ExitCode::SUCCESS;
+    let mut dump = summary::Dump::default();
     loop {
+        let early = pipeline.as_mut().and_then(|p| p.enricher.early_wait());
         let ev = tokio::select! {
             ev = rx.recv() => match ev {
                 Some(ev) => ev,
@@ -261,19 +270,32 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
                 reload(&s, pipeline.as_mut(), &metrics);
                 continue;
             }
+            // Tables of announced processes left for want of budget: on with them.
+            _ = tokio::time::sleep(early.unwrap_or_default()), if early.is_some() => {
+                if let (Some(p), Some(b)) = (pipeline.as_mut(), session.broker.as_deref()) {
+                    p.enricher.early_work(b).await;
+                }
+                continue;
+            }
         };
         let Some(p) = pipeline.as_mut() else {
-            summary::print(&ev);
+            dump.print(ev);
             continue;
         };
         match ev {
             Event::Connected(info, b) => {
+                p.enricher.set_session(info.session_id);
                 p.enricher.labeler.set_node(&info.node);
                 http.set_round_seconds(info.round_seconds);
                 session.broker = b;
                 session.dropped = 0;
             }
             Event::Disconnected => session.broker = None,
+            Event::Announce(records) => {
+                p.enricher
+                    .announced(records, session.broker.as_deref())
+                    .await;
+            }
             Event::Batch(batch) => {
                 if let Err(code) = p.round(batch, &mut session, &s, &metrics).await {
                     exit = code;
@@ -343,7 +365,29 @@ async fn start(
         start_kubernetes(s, &mut labeler, metrics).await;
     }
     let mut enricher = Enricher::new(symbolizer, labeler, metrics.clone());
-    enricher.unwind_min_samples = s.unwind_min_samples;
+    if let Some(dir) = s.unwind_cache() {
+        match crate::unwind::cache::Cache::open(&dir, s.unwind_cache_size) {
+            Ok(c) => {
+                tracing::info!(path = %dir.display(), tables = c.len(), bytes = c.bytes(), "unwind table cache opened");
+                metrics
+                    .unwind_cache_bytes
+                    .store(c.bytes(), Ordering::Relaxed);
+                metrics
+                    .unwind_cache_entries
+                    .store(c.len() as u64, Ordering::Relaxed);
+                enricher.table_cache = Some(c);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "no unwind table cache: tables are built from CFI at every start")
+            }
+        }
+    }
+    if s.unwind_min_samples > 1 {
+        tracing::warn!(
+            "--unwind-min-samples is no longer used: tables are sent from a process's first \
+             sample, within a budget of work per second"
+        );
+    }
     let outputs = Outputs::start(s, metrics, http).map_err(|e| {
         tracing::error!("{e}");
         ExitCode::from(2)

@@ -5,8 +5,42 @@ use std::io::Write;
 
 use crate::client::Event;
 
-/// Writes one JSON line per event. A closed stdout is not an error worth reporting.
-pub(crate) fn print(ev: &Event) {
+/// The `--dump` printer. Records announced between rounds are printed as an
+/// `announce` line (ids only) and again in the next batch's `processes`, so a batch read
+/// alone still holds every record its samples need.
+#[derive(Default)]
+pub(crate) struct Dump {
+    announced: Vec<crate::batch::Process>,
+}
+
+impl Dump {
+    /// Writes one JSON line per event. A closed stdout is not an error worth reporting.
+    pub(crate) fn print(&mut self, ev: Event) {
+        let ev = match ev {
+            Event::Announce(p) => {
+                let ids: Vec<u64> = p.iter().map(|p| p.process_id).collect();
+                let pids: Vec<u32> = p.iter().map(|p| p.pid).collect();
+                self.announced.extend(p);
+                let line = serde_json::json!({ "announce": { "ids": ids, "pids": pids } });
+                let _ = writeln!(std::io::stdout().lock(), "{line}");
+                return;
+            }
+            Event::Batch(mut b) => {
+                let mut p = std::mem::take(&mut self.announced);
+                p.append(&mut b.processes);
+                b.processes = p;
+                Event::Batch(b)
+            }
+            Event::Connected(..) | Event::Disconnected => {
+                self.announced.clear();
+                ev
+            }
+        };
+        print(&ev);
+    }
+}
+
+fn print(ev: &Event) {
     let line = match ev {
         Event::Connected(info, _) => serde_json::json!({
             "connected": {
@@ -25,6 +59,7 @@ pub(crate) fn print(ev: &Event) {
             Ok(s) => format!("{{\"batch\":{s}}}"),
             Err(e) => serde_json::json!({ "error": e.to_string() }).to_string(),
         },
+        Event::Announce(_) => return,
     };
     let _ = writeln!(std::io::stdout().lock(), "{line}");
 }

@@ -92,6 +92,8 @@ counters! {
     subscriptions: "subscriptions started",
     batches_queued: "batches put into subscriber queues",
     batches_sent: "batches delivered to subscribers",
+    processes_announced: "process records queued for subscribers as soon as read, ahead of their round's batch",
+    announcements_sent: "announcements (process records between rounds) delivered to subscribers",
     batches_dropped: "batches dropped from full subscriber queues",
     send_errors: "pushes that failed (subscriber gone)",
     broker_fds_sent: "file descriptors passed to subscribers",

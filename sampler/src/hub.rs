@@ -22,7 +22,8 @@ use firn_logs::TokenBucket;
 pub(crate) const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
 
 pub(crate) struct Outgoing {
-    pub(crate) round: Rc<RoundData>,
+    /// `None`: an announcement, records read between rounds (no samples).
+    pub(crate) round: Option<Rc<RoundData>>,
     pub(crate) processes: Vec<Issued>,
     pub(crate) forgotten: Vec<u64>,
     /// Python code blobs of batches dropped before this one (each code object's names
@@ -209,14 +210,74 @@ impl Hub {
             }
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {
-                round: round.clone(),
+                round: Some(round.clone()),
                 processes,
                 forgotten,
                 python_code: Vec::new(),
             });
             bump(&c.batches_queued);
-            while q.len() > self.queue_limit {
-                let Some(old) = q.pop_front() else { break };
+            self.trim(sub, &mut q);
+            sub.wake.notify_one();
+        }
+    }
+
+    /// Queues the records read since the last call (new processes, between rounds) for
+    /// every open subscriber that lacks them, ahead of the round's batch: the subscriber
+    /// can send their tables while the round runs. Announcements waiting one behind
+    /// another become one, so the queue holds at most one between two batches.
+    pub(crate) fn announce(&self, fresh: &[Issued]) {
+        if fresh.is_empty() {
+            return;
+        }
+        let c = &self.counters;
+        self.subs.borrow_mut().retain(|s| !s.is_closed());
+        for sub in self.subs.borrow().iter() {
+            let mut sent = sub.sent.borrow_mut();
+            let new: Vec<Issued> = fresh
+                .iter()
+                .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version))
+                .cloned()
+                .collect();
+            if new.is_empty() {
+                continue;
+            }
+            let mut q = sub.queue.borrow_mut();
+            let waiting = q.back().filter(|o| o.round.is_none()).map(|o| {
+                o.processes
+                    .iter()
+                    .map(|p| p.record.wire_bytes())
+                    .sum::<usize>()
+            });
+            let room = self.batch_record_bytes.saturating_sub(waiting.unwrap_or(0));
+            let processes = self.fit(sub, new, room);
+            for p in &processes {
+                sent.insert(p.id, (p.version, p.record.clone()));
+                sub.max_sent.set(sub.max_sent.get().max(p.id));
+            }
+            add(&c.processes_announced, processes.len() as u64);
+            match q.back_mut().filter(|o| o.round.is_none()) {
+                Some(back) => back.processes.extend(processes),
+                None => q.push_back(Outgoing {
+                    round: None,
+                    processes,
+                    forgotten: Vec::new(),
+                    python_code: Vec::new(),
+                }),
+            }
+            self.trim(sub, &mut q);
+            sub.wake.notify_one();
+        }
+    }
+
+    /// Drops the oldest batches while more than the queue limit wait. What a dropped
+    /// item carries that a later one needs moves on: its records to the next item, its
+    /// forgotten ids and Python code to the next batch. An announcement ahead of the
+    /// batches is merged the same way, and not counted as a drop.
+    fn trim(&self, sub: &Subscriber, q: &mut VecDeque<Outgoing>) {
+        let c = &self.counters;
+        while q.iter().filter(|o| o.round.is_some()).count() > self.queue_limit {
+            let Some(old) = q.pop_front() else { break };
+            if old.round.is_some() {
                 bump(&sub.dropped);
                 bump(&c.batches_dropped);
                 tracing::warn!(
@@ -224,24 +285,28 @@ impl Hub {
                     dropped = sub.dropped.get(),
                     "subscriber's queue full (it reads too slowly); oldest batch dropped"
                 );
-                if let Some(next) = q.front_mut() {
-                    let mut merged = old.processes;
-                    carry(std::mem::take(&mut next.processes), &mut merged);
-                    next.processes = self.fit(sub, merged, self.batch_record_bytes);
-                    next.forgotten.extend(old.forgotten);
-                    // Within the batch's bound with the next round's own blobs; past it
-                    // the oldest go (counted; their frames stay unnamed).
-                    let room = (firn_schema::limits::MAX_PYTHON_CODES as usize)
-                        .saturating_sub(next.round.python_code.len());
-                    let mut code = old.python_code;
-                    code.extend(old.round.python_code.iter().cloned());
-                    code.append(&mut next.python_code);
-                    let excess = code.len().saturating_sub(room);
-                    crate::counters::add(&c.python_code_dropped, excess as u64);
-                    next.python_code = code.split_off(excess);
-                }
             }
-            sub.wake.notify_one();
+            if let Some(next) = q.front_mut() {
+                let mut merged = old.processes;
+                carry(std::mem::take(&mut next.processes), &mut merged);
+                next.processes = self.fit(sub, merged, self.batch_record_bytes);
+            }
+            let Some(next) = q.iter_mut().find(|o| o.round.is_some()) else {
+                break;
+            };
+            next.forgotten.extend(old.forgotten);
+            // Within the batch's bound with the next round's own blobs; past it the
+            // oldest go (counted; their frames stay unnamed).
+            let own = next.round.as_ref().map_or(0, |r| r.python_code.len());
+            let room = (firn_schema::limits::MAX_PYTHON_CODES as usize).saturating_sub(own);
+            let mut code = old.python_code;
+            if let Some(r) = &old.round {
+                code.extend(r.python_code.iter().cloned());
+            }
+            code.append(&mut next.python_code);
+            let excess = code.len().saturating_sub(room);
+            add(&c.python_code_dropped, excess as u64);
+            next.python_code = code.split_off(excess);
         }
     }
 }
@@ -355,5 +420,35 @@ mod tests {
         sub.queue.borrow_mut().pop_front();
         hub.publish(round(3, Vec::new()), &[]);
         assert_eq!(queued_ids(&sub), vec![vec![4, 5, 6]]);
+    }
+
+    #[test]
+    fn announcements_go_ahead_of_the_batch_and_are_not_sent_twice() {
+        let c = Rc::new(Counters::default());
+        let hub = Hub::new(1, c.clone());
+        let sub = hub.add([0; 16]);
+        hub.announce(&[issued(1, 10)]);
+        hub.announce(&[issued(2, 10), issued(1, 10)]);
+        // Two announcements waiting are one; a record already announced is not again.
+        assert_eq!(queued_ids(&sub), vec![vec![1, 2]]);
+        assert!(
+            sub.record(2, 1).is_some(),
+            "an announced record may be named"
+        );
+        hub.publish(round(1, vec![issued(1, 10), issued(3, 10)]), &[]);
+        assert_eq!(queued_ids(&sub), vec![vec![1, 2], vec![3]]);
+        // Over the queue limit the oldest batch goes; the announcement before it is
+        // merged into what follows, not counted as a drop.
+        hub.announce(&[issued(4, 10)]);
+        hub.publish(round(2, Vec::new()), &[3]);
+        let q = sub.queue.borrow();
+        assert_eq!(q.len(), 2, "one announcement, one batch");
+        assert!(q[0].round.is_none() && q[1].round.is_some());
+        let mut ids: Vec<u64> = q[0].processes.iter().map(|p| p.id).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![1, 2, 3, 4]);
+        assert_eq!(q[1].forgotten, vec![3]);
+        assert_eq!(c.batches_dropped.get(), 1);
+        assert_eq!(c.processes_announced.get(), 3);
     }
 }

@@ -205,13 +205,13 @@ impl ProcessTable {
 
     /// A process the BPF program announced (its first sample), while round `round` is in
     /// progress: read from /proc now, while it still runs.
-    /// `exe_ino`: the inode of its executable as BPF saw it (0: unknown).
+    /// `exe_ino`: the inode of its executable as BPF saw it (0: unknown); `seen_ns`: when
+    /// the event was read (CLOCK_BOOTTIME).
     pub(crate) fn discover(
         &mut self,
         key: ProcKey,
-        comm: &[u8],
-        exe_ino: u64,
-        round: u64,
+        (comm, exe_ino): (&[u8], u64),
+        (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) {
         if let Some(k) = self.by_key.get_mut(&key) {
@@ -221,7 +221,7 @@ impl ProcessTable {
         if self.read_left > 0 {
             bump(&counters.processes_read_early);
         }
-        self.insert(key, comm, exe_ino, round, counters);
+        self.insert(key, (comm, exe_ino), (round, seen_ns), counters);
     }
 
     /// Takes the handles of the files that records read since the last call map: after
@@ -260,13 +260,14 @@ impl ProcessTable {
         counters: &Counters,
     ) -> u64 {
         let Some(k) = self.by_key.get_mut(&key) else {
-            return self.insert(key, comm, 0, round, counters);
+            return self.insert(key, (comm, 0), (round, 0), counters);
         };
         k.last_seen = k.last_seen.max(round);
         // Once ended, /proc describes another program or nothing: the record stays.
         if k.ended.is_none() {
             if k.deferred && self.read_left > 0 {
-                let (record, read) = read_record(key, comm, 0, &self.handles, counters);
+                let (mut record, read) = read_record(key, comm, 0, &self.handles, counters);
+                record.first_sample_ns = k.record.first_sample_ns;
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
                 k.ranges = ranges_of(&record);
@@ -295,14 +296,13 @@ impl ProcessTable {
     fn insert(
         &mut self,
         key: ProcKey,
-        comm: &[u8],
-        exe_ino: u64,
-        round: u64,
+        (comm, exe_ino): (&[u8], u64),
+        (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
-        let (record, deferred) = if self.read_left > 0 {
+        let (mut record, deferred) = if self.read_left > 0 {
             let (record, read) = read_record(key, comm, exe_ino, &self.handles, counters);
             self.read_left = self.read_left.saturating_sub(read);
             (record, false)
@@ -315,6 +315,7 @@ impl ProcessTable {
             );
             (placeholder(key.tgid, key.start_ns, comm), true)
         };
+        record.first_sample_ns = seen_ns;
         self.bytes += record.wire_bytes();
         let known = Known {
             id,
@@ -546,7 +547,7 @@ mod tests {
         let c = Counters::default();
         let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
         let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
-        t.discover(before, b"sh", 0, 1, &c);
+        t.discover(before, (b"sh", 0), (1, 0), &c);
         let a = t.observe(before, b"sh", (&[], false), 1, &c);
         let b = t.observe(after, b"prog", (&[], false), 1, &c);
         assert_ne!(a, b, "one pid, two programs, two records");

@@ -66,6 +66,9 @@ pub(crate) struct ProcessRecord {
     /// every frame is code of the process; not sent.
     pub(crate) code: Vec<(u64, u64)>,
     pub(crate) complete: bool,
+    /// CLOCK_BOOTTIME ns when the BPF event of its first sample was read (0: found in a
+    /// round's samples).
+    pub(crate) first_sample_ns: u64,
 }
 
 /// Bytes a field costs on the wire beyond its text: Cap'n Proto pointer and padding.
@@ -198,6 +201,7 @@ pub(crate) fn read_process_at(
         mappings,
         code,
         complete: true,
+        first_sample_ns: 0,
     };
     let read = read + record.cmdline.iter().map(Vec::len).sum::<usize>();
     Ok((record, read, dir))

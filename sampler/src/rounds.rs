@@ -7,7 +7,9 @@ use std::cell::Cell;
 
 use firn_sampler_bpf::types::firn_counter;
 
-use crate::assemble::{self, RoundData};
+use std::rc::Rc;
+
+use crate::assemble::{self, Issued, RoundData};
 use crate::counters::{add, bump, Counters};
 use crate::drain::{DrainError, Drained};
 use crate::events::{EventKind, ProcEvent};
@@ -150,12 +152,13 @@ impl Rounds {
     /// one is in progress: new processes are read from /proc now.
     pub(crate) fn on_events(&mut self, events: &[ProcEvent], c: &Counters) {
         let in_progress = self.round + 1;
+        let seen_ns = firn_schema::boot_ns();
         for e in events {
             match e.kind {
                 EventKind::New => {
                     bump(&c.events_new);
                     self.table
-                        .discover(e.key, &e.comm, e.exe_ino, in_progress, c);
+                        .discover(e.key, (&e.comm, e.exe_ino), (in_progress, seen_ns), c);
                 }
                 EventKind::Exec => {
                     bump(&c.events_exec);
@@ -170,8 +173,9 @@ impl Rounds {
     }
 
     /// Hands what the process table read or forgot to the unwinder's maps, then walks
-    /// to the files of the records read (for binary handles).
-    pub(crate) fn sync_mappings(&mut self, maps: &mut impl MapSets, c: &Counters) {
+    /// to the files of the records read (for binary handles). Returns the records read,
+    /// as issued, for subscribers to hear of before the round ends.
+    pub(crate) fn sync_mappings(&mut self, maps: &mut impl MapSets, c: &Counters) -> Vec<Issued> {
         let fresh = self.table.take_fresh();
         if !fresh.is_empty() {
             maps.set_mappings(&fresh);
@@ -181,6 +185,18 @@ impl Rounds {
             maps.forget_mappings(&dropped);
         }
         self.table.take_handles(c);
+        fresh
+            .iter()
+            .filter_map(|(key, record)| {
+                let k = self.table.get(*key)?;
+                // A record read twice since the last call is announced once, newest.
+                Rc::ptr_eq(&k.record, record).then(|| Issued {
+                    id: k.id,
+                    version: k.version,
+                    record: record.clone(),
+                })
+            })
+            .collect()
     }
 
     /// Ends the current round at `now_ns`: the program switches to the other set.
@@ -233,7 +249,8 @@ impl Rounds {
         let data = assemble::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
         let forgotten = self.table.sweep(self.round, c);
         maps.forget_announced(&self.table.take_unseen());
-        self.sync_mappings(maps, c);
+        // Records read while assembling go in this round's batch.
+        let _ = self.sync_mappings(maps, c);
         self.table.begin_round(self.round, c);
         bump(&c.rounds);
         tracing::debug!(

@@ -67,8 +67,10 @@ pub(crate) async fn accept_loop(
     }
 }
 
-/// Reads the process events waiting in the ring buffer and acts on them.
-fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, c: &crate::counters::Counters) {
+/// Reads the process events waiting in the ring buffer and acts on them: the records
+/// read are announced to subscribers at once.
+fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, shared: &Shared) {
+    let c = &shared.counters;
     let (events, malformed) = sampling.events.take();
     if malformed > 0 {
         crate::counters::add(&c.events_malformed, malformed);
@@ -78,7 +80,8 @@ fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, c: &crate::counters
         );
     }
     rounds.on_events(&events, c);
-    rounds.sync_mappings(sampling, c);
+    let fresh = rounds.sync_mappings(sampling, c);
+    shared.hub.announce(&fresh);
 }
 
 /// Runs rounds every `period` until SIGTERM or SIGINT (`Ok`) or a CPU hotplug that a
@@ -103,13 +106,13 @@ pub(crate) async fn run_rounds(
                 if let Ok(mut guard) = ready {
                     guard.clear_ready();
                 }
-                take_events(sampling, &mut rounds, &shared.counters);
+                take_events(sampling, &mut rounds, &shared);
                 continue;
             }
         }
         // Events written before the flip belong to processes whose first samples are in
         // the retired set: read them before it is assembled.
-        take_events(sampling, &mut rounds, &shared.counters);
+        take_events(sampling, &mut rounds, &shared);
         let retired = rounds.flip(sampling, firn_schema::now_ns());
         tokio::time::sleep(drain::GRACE).await;
         let online = attach::online_cpus().ok();

@@ -1,8 +1,8 @@
 //! Writing a round into a Cap'n Proto `Batch` for one subscriber.
 
-use firn_schema::firn_capnp::{batch, counter, process, sample, StackStatus as Wire};
+use firn_schema::firn_capnp::{batch, batch_sink, counter, process, sample, StackStatus as Wire};
 
-use crate::assemble::{Issued, StackStatus};
+use crate::assemble::{Issued, RoundData, StackStatus};
 use crate::hub::Outgoing;
 
 pub(crate) struct BatchMeta<'a> {
@@ -39,8 +39,21 @@ pub(crate) fn fill_counters(
 
 /// The batch of `out` (its round, the records and forgotten ids for this subscriber, and
 /// code blobs carried from dropped batches).
-pub(crate) fn fill_batch(mut b: batch::Builder<'_>, out: &Outgoing, meta: &BatchMeta<'_>) {
-    let (round, processes, forgotten) = (&*out.round, &out.processes, &out.forgotten);
+/// An announcement: process records alone.
+pub(crate) fn fill_processes(b: batch_sink::announce_params::Builder<'_>, processes: &[Issued]) {
+    let mut procs = b.init_processes(len32(processes.len()));
+    for (i, p) in processes.iter().enumerate() {
+        fill_process(procs.reborrow().get(len32(i)), p);
+    }
+}
+
+pub(crate) fn fill_batch(
+    mut b: batch::Builder<'_>,
+    round: &RoundData,
+    out: &Outgoing,
+    meta: &BatchMeta<'_>,
+) {
+    let (processes, forgotten) = (&out.processes, &out.forgotten);
     let carried_code = &out.python_code;
     let mut f = b
         .reborrow()
@@ -110,6 +123,7 @@ fn fill_process(mut w: process::Builder<'_>, p: &Issued) {
     w.set_cgroup(&r.cgroup);
     w.set_mappings_version(p.version);
     w.set_complete(r.complete);
+    w.set_first_sample_ns(r.first_sample_ns);
     let mut args = w.reborrow().init_cmdline(len32(r.cmdline.len()));
     for (i, a) in r.cmdline.iter().enumerate() {
         args.set(len32(i), a);

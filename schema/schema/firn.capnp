@@ -4,7 +4,7 @@
 # something within one sampler session. No kernel address is ever carried: kernel
 # frames travel as indices into a per-batch table of names.
 
-const protocolVersion :UInt32 = 3;
+const protocolVersion :UInt32 = 4;
 
 interface Sampler {
   info @0 (protocolVersion :UInt32) -> (info :Info);
@@ -27,6 +27,12 @@ const brokerMagic :Data = "FIRNBRK1";
 interface BatchSink {
   push @0 (batch :Batch) -> stream;
   # Streaming call: the sampler waits for flow control, never for the enricher's work.
+
+  announce @1 (processes :List(Process)) -> stream;
+  # Process records read since the last batch, sent as soon as they are read (a new
+  # process's first sample), so that the subscriber can send the unwind tables of its
+  # files before the round ends. A record announced is not sent again in a batch; it
+  # is what openMapping, loadUnwindTable and loadInterpreter may name, like a batch's.
 }
 
 interface Subscription {
@@ -189,6 +195,9 @@ struct Process {
   mappings @9 :List(Mapping);    # executable file mappings only
   mappingsVersion @10 :UInt32;   # bumped each time the mappings were read again (dlopen)
   complete @11 :Bool;            # false: the process was gone before /proc could be read
+  firstSampleNs @12 :UInt64;
+  # CLOCK_BOOTTIME ns at which the sampler learnt of the process's first sample (its
+  # BPF event); 0 when it was found in a round's samples instead.
 }
 
 struct Mapping {

@@ -22,6 +22,20 @@ pub fn now_ns() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
 
+/// CLOCK_BOOTTIME in ns: the clock of `Process.firstSampleNs`, the same for the sampler
+/// and the enricher on one node (0 if unreadable).
+pub fn boot_ns() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `t` is a valid timespec for the call to write.
+    if unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut t) } != 0 {
+        return 0;
+    }
+    u64::try_from(t.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(t.tv_nsec).unwrap_or(0)
+}
+
 /// Upper bounds on every list either side accepts. A message beyond one is rejected.
 pub mod limits {
     /// Samples in one batch: the BPF counts map holds at most this many keys.

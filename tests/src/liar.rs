@@ -32,6 +32,39 @@ struct Sink {
     seen: Rc<RefCell<Seen>>,
 }
 
+impl Sink {
+    fn records(
+        &self,
+        seen: &mut Seen,
+        procs: capnp::Result<
+            capnp::struct_list::Reader<'_, firn_schema::firn_capnp::process::Owned>,
+        >,
+    ) {
+        for p in procs.into_iter().flatten() {
+            if p.get_pid() != self.pid {
+                continue;
+            }
+            let maps = p
+                .get_mappings()
+                .into_iter()
+                .flatten()
+                .map(|m| {
+                    let path = m
+                        .get_path()
+                        .map(|p| String::from_utf8_lossy(p).into_owned());
+                    (
+                        m.get_start(),
+                        m.get_end(),
+                        m.get_file_offset(),
+                        path.unwrap_or_default(),
+                    )
+                })
+                .collect();
+            seen.record = Some((p.get_process_id(), p.get_mappings_version(), maps));
+        }
+    }
+}
+
 impl batch_sink::Server for Sink {
     fn push(
         self: Rc<Self>,
@@ -39,28 +72,7 @@ impl batch_sink::Server for Sink {
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         let mut seen = self.seen.borrow_mut();
         if let Ok(b) = params.get().and_then(|p| p.get_batch()) {
-            for p in b.get_processes().into_iter().flatten() {
-                if p.get_pid() != self.pid {
-                    continue;
-                }
-                let maps = p
-                    .get_mappings()
-                    .into_iter()
-                    .flatten()
-                    .map(|m| {
-                        let path = m
-                            .get_path()
-                            .map(|p| String::from_utf8_lossy(p).into_owned());
-                        (
-                            m.get_start(),
-                            m.get_end(),
-                            m.get_file_offset(),
-                            path.unwrap_or_default(),
-                        )
-                    })
-                    .collect();
-                seen.record = Some((p.get_process_id(), p.get_mappings_version(), maps));
-            }
+            self.records(&mut seen, b.get_processes());
             for s in b.get_samples().into_iter().flatten() {
                 if s.get_pid() != self.pid {
                     continue;
@@ -79,6 +91,16 @@ impl batch_sink::Server for Sink {
             for blob in b.get_python_code().into_iter().flatten().flatten() {
                 seen.python_code.push(blob.to_vec());
             }
+        }
+        std::future::ready(Ok(()))
+    }
+
+    fn announce(
+        self: Rc<Self>,
+        params: batch_sink::AnnounceParams,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        if let Ok(p) = params.get() {
+            self.records(&mut self.seen.borrow_mut(), p.get_processes());
         }
         std::future::ready(Ok(()))
     }

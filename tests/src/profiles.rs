@@ -186,3 +186,40 @@ pub fn traces(files: &[PathBuf]) -> Vec<(u64, Vec<String>)> {
     assert!(!files.is_empty(), "no profiles");
     parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
 }
+
+/// Sample-weighted share of `traces` (leaf first) that `whole` accepts, among those
+/// `counted` accepts.
+pub fn share<T>(
+    traces: &[(u64, Vec<T>)],
+    counted: impl Fn(&[T]) -> bool,
+    whole: impl Fn(&[T]) -> bool,
+) -> (f64, u64) {
+    let (mut all, mut good) = (0, 0);
+    for (n, frames) in traces {
+        if counted(frames) {
+            all += n;
+            if whole(frames) {
+                good += n;
+            }
+        }
+    }
+    (good as f64 / all.max(1) as f64, all)
+}
+
+/// The heaviest traces `whole` rejects, for the log.
+pub fn worst_stacks(
+    traces: &[(u64, Vec<String>)],
+    whole: impl Fn(&[String]) -> bool,
+) -> Vec<&(u64, Vec<String>)> {
+    let mut bad: Vec<_> = traces.iter().filter(|t| !whole(&t.1)).collect();
+    bad.sort_by_key(|t| std::cmp::Reverse(t.0));
+    bad.truncate(3);
+    bad
+}
+
+/// Whether `frames` hold `chain` as consecutive frames.
+pub fn has_chain(frames: &[String], chain: &[&str]) -> bool {
+    frames
+        .windows(chain.len())
+        .any(|w| w.iter().zip(chain).all(|(f, c)| f == c))
+}

@@ -167,23 +167,6 @@ pub fn python_chain(frames: &[Fr], chain: &[&str]) -> bool {
     chain.iter().all(|c| it.any(|p| p == c)) && py.last() == chain.last()
 }
 
-pub fn share(
-    t: &[(u64, Vec<Fr>)],
-    counted: impl Fn(&[Fr]) -> bool,
-    good: impl Fn(&[Fr]) -> bool,
-) -> (f64, u64) {
-    let (mut all, mut ok) = (0, 0);
-    for (n, f) in t {
-        if counted(f) {
-            all += n;
-            if good(f) {
-                ok += n;
-            }
-        }
-    }
-    (ok as f64 / all.max(1) as f64, all)
-}
-
 pub fn worst(
     t: &[(u64, Vec<Fr>)],
     counted: impl Fn(&[Fr]) -> bool,

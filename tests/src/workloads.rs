@@ -150,3 +150,42 @@ pub fn in_mount_ns(script: &str) -> Proc {
     cmd.args(["--mount", "--propagation", "private", "sh", "-c", script]);
     Proc::spawn("ns", cmd)
 }
+
+/// A build id no run has seen: the time now, with `salt` (hex, for `--build-id=0x…`).
+pub fn fresh_build_id(salt: u8) -> String {
+    format!("{:016x}{salt:02x}", crate::now_ns())
+}
+
+/// `tests/workloads/SRC` built by plain `gcc -O2 -g` (no frame pointers) into `dir`
+/// with build id `id`: a binary whose table no cache holds.
+pub fn compile_fresh(src: &str, dir: &Path, id: &str) -> PathBuf {
+    let out = dir.join(format!("{}-{id}", src.trim_end_matches(".c")));
+    let status = Command::new("gcc")
+        .args(["-O2", "-g", &format!("-Wl,--build-id=0x{id}"), "-o"])
+        .arg(&out)
+        .arg(repo_root().join("tests/workloads").join(src))
+        .status()
+        .expect("gcc must be installed");
+    assert!(status.success(), "compiling {src}");
+    out
+}
+
+/// The Go workload `name` linked into `dir` with GNU build id `id` (the compiled
+/// packages come from the shared build cache: only the link runs).
+pub fn go_workload_fresh(name: &str, dir: &Path, id: &str) -> PathBuf {
+    let out = dir.join(format!("{name}-{id}"));
+    let status = Command::new("go")
+        .args(["build", &format!("-ldflags=-B 0x{id}"), "-o"])
+        .arg(&out)
+        .arg(".")
+        .current_dir(repo_root().join("tests/workloads").join(name))
+        .env("GOCACHE", repo_root().join("target/go-cache"))
+        .env("GOPATH", repo_root().join("target/go-path"))
+        .env("HOME", repo_root().join("target"))
+        .env("GOFLAGS", "-mod=mod")
+        .env("GOPROXY", "off")
+        .status()
+        .expect("go (apt-get install golang-go)");
+    assert!(status.success(), "go build {name}");
+    out
+}

@@ -60,43 +60,6 @@ fn wait_files_since(f: &Firn, pid: u32, since_ns: u64, n: usize) -> Vec<PathBuf>
     }
 }
 
-/// Sample-weighted share of `traces` (leaf first) that `whole` accepts, among those
-/// `counted` accepts.
-fn share(
-    traces: &[(u64, Vec<String>)],
-    counted: impl Fn(&[String]) -> bool,
-    whole: impl Fn(&[String]) -> bool,
-) -> (f64, u64) {
-    let (mut all, mut good) = (0, 0);
-    for (n, frames) in traces {
-        if counted(frames) {
-            all += n;
-            if whole(frames) {
-                good += n;
-            }
-        }
-    }
-    (good as f64 / all.max(1) as f64, all)
-}
-
-/// The heaviest traces `whole` rejects, for the log.
-fn worst(
-    traces: &[(u64, Vec<String>)],
-    whole: impl Fn(&[String]) -> bool,
-) -> Vec<&(u64, Vec<String>)> {
-    let mut bad: Vec<_> = traces.iter().filter(|t| !whole(&t.1)).collect();
-    bad.sort_by_key(|t| std::cmp::Reverse(t.0));
-    bad.truncate(3);
-    bad
-}
-
-/// Whether `frames` hold `chain` as consecutive frames.
-fn has_chain(frames: &[String], chain: &[&str]) -> bool {
-    frames
-        .windows(chain.len())
-        .any(|w| w.iter().zip(chain).all(|(f, c)| f == c))
-}
-
 fn python_loop(dir: &std::path::Path) -> Proc {
     let script = dir.join("loop.py");
     std::fs::write(
@@ -182,7 +145,7 @@ fn whole_stacks_without_frame_pointers() {
     eprintln!(
         "gcc -O2 chain: {:.1} % of {n} samples whole; not: {:?}",
         s * 100.0,
-        worst(&t, |fr| !fr.iter().any(|x| x == "chain_leaf")
+        worst_stacks(&t, |fr| !fr.iter().any(|x| x == "chain_leaf")
             || has_chain(
                 fr,
                 &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"]
@@ -228,7 +191,7 @@ fn whole_stacks_without_frame_pointers() {
     eprintln!(
         "python3 reaching Py_RunMain: {:.1} % of {n}; not: {:?}",
         s * 100.0,
-        worst(&t, |fr| fr.iter().any(|x| x == "Py_RunMain"))
+        worst_stacks(&t, |fr| fr.iter().any(|x| x == "Py_RunMain"))
     );
     assert!(n >= 50 && s >= 0.90, "python3 {s:.3} of {n}:\n{t:#?}");
 

@@ -69,6 +69,9 @@ impl Plan {
             if let Some(d) = &s.upload_spool_dir {
                 p.writable.push(d.clone());
             }
+            if let Some(d) = s.unwind_cache().filter(|d| !d.starts_with(&s.output_dir)) {
+                p.writable.push(d);
+            }
             p.bind.insert(s.http_address.port());
         }
         let uploads = [

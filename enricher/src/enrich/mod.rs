@@ -5,6 +5,7 @@
 //! [`SamplerLink`], so the steps are tested with a fake.
 
 mod binaries;
+mod early;
 mod python;
 mod stacks;
 mod tables;
@@ -102,8 +103,12 @@ pub struct Enricher {
     pub(crate) labeler: Labeler,
     metrics: Arc<Metrics>,
     session: u64,
-    /// Samples a process needs before its unwind tables are built and sent.
-    pub(crate) unwind_min_samples: u64,
+    /// The last round handled (announcements between rounds count as in it).
+    round: u64,
+    /// Files of announced processes waiting for their tables.
+    early: early::Early,
+    /// Tables kept on disk between runs (`--unwind-cache-dir`), if any.
+    pub(crate) table_cache: Option<crate::unwind::cache::Cache>,
     /// CPython interpreter files analysed (device, inode → record), and the names of
     /// the Python code objects the sampler forwarded.
     pub(crate) python: python::Python,
@@ -121,7 +126,9 @@ impl Enricher {
             labeler,
             metrics,
             session: 0,
-            unwind_min_samples: 1,
+            round: 0,
+            early: early::Early::default(),
+            table_cache: None,
             python: python::Python::default(),
         }
     }
@@ -147,20 +154,36 @@ impl Enricher {
         }
     }
 
+    /// How long until the tables of announced processes may be worked on again (`None`:
+    /// none wait).
+    pub(crate) fn early_wait(&mut self) -> Option<std::time::Duration> {
+        self.early.wait()
+    }
+
     /// A round driven by the fuzz target and benchmarks, without a sampler.
     pub fn handle_offline(&mut self, batch: Batch) -> Round {
         let round = self.handle::<Broker>(batch, None);
         futures::executor::block_on(round)
     }
 
-    /// The batch's process records into the table, its samples counted per process.
-    fn take_records(&mut self, batch: &Batch) {
-        if batch.session_id != self.session {
-            self.session = batch.session_id;
+    /// A sampler session's ids mean nothing in another: what is keyed by them goes.
+    /// Called when connected (announcements may come before the first batch) and with
+    /// every batch.
+    pub(crate) fn set_session(&mut self, session: u64) {
+        if session != self.session {
+            self.session = session;
             self.labeler.clear();
             self.python.names.clear();
+            self.early = early::Early::default();
+            self.round = 0;
         }
-        self.processes.set_session(batch.session_id);
+        self.processes.set_session(session);
+    }
+
+    /// The batch's process records into the table, its samples counted per process.
+    fn take_records(&mut self, batch: &Batch) {
+        self.set_session(batch.session_id);
+        self.round = batch.round;
         self.processes.update(batch.processes.clone(), batch.round);
         for s in &batch.samples {
             self.processes.touch(s.process_id, batch.round, s.count);

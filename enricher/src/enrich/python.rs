@@ -65,19 +65,29 @@ impl Enricher {
         link: Option<&L>,
     ) {
         let Some(link) = link else { return };
+        let ids: Vec<u64> = batch.samples.iter().map(|s| s.process_id).collect();
+        self.send_interpreters_of(&ids, link).await;
+        let mut sent = link.interpreters().borrow_mut();
+        for id in &batch.forgotten_processes {
+            sent.remove(id);
+        }
+    }
+
+    /// The interpreter records of `ids` (in order, each once) not yet sent.
+    pub(super) async fn send_interpreters_of<L: SamplerLink>(&mut self, ids: &[u64], link: &L) {
         let mut wanted: Vec<(u64, u32, u32, Record)> = Vec::new();
         {
             let sent = link.interpreters().borrow();
             let mut seen = std::collections::HashSet::new();
-            for s in &batch.samples {
-                if wanted.len() >= MAX_RECORDS_PER_ROUND || !seen.insert(s.process_id) {
+            for &process_id in ids {
+                if wanted.len() >= MAX_RECORDS_PER_ROUND || !seen.insert(process_id) {
                     continue;
                 }
-                let Some(e) = self.processes.get(s.process_id) else {
+                let Some(e) = self.processes.get(process_id) else {
                     continue;
                 };
                 let version = e.record.mappings_version;
-                if sent.get(&s.process_id) == Some(&version) {
+                if sent.get(&process_id) == Some(&version) {
                     continue;
                 }
                 // The mapping of an analysed file that holds its eval loop.
@@ -87,7 +97,7 @@ impl Enricher {
                     (m.file_offset <= rec.eval.0 && rec.eval.1 <= end).then_some((i, *rec))
                 });
                 if let Some((i, rec)) = found {
-                    wanted.push((s.process_id, i as u32, version, rec));
+                    wanted.push((process_id, i as u32, version, rec));
                 }
             }
         }
@@ -120,10 +130,6 @@ impl Enricher {
             if done {
                 link.interpreters().borrow_mut().insert(process_id, version);
             }
-        }
-        let mut sent = link.interpreters().borrow_mut();
-        for id in &batch.forgotten_processes {
-            sent.remove(id);
         }
     }
 

@@ -1,5 +1,7 @@
 //! The unwind tables of the files sampled processes map: built here from each binary's
 //! CFI and sent to the sampler, the busiest processes first, within a budget per round.
+//! Most arrive earlier, from the process's announcement (`early`); a round sends what
+//! that left.
 
 use std::collections::HashMap;
 
@@ -38,13 +40,6 @@ impl Enricher {
                 let Some(e) = self.processes.get(process_id) else {
                     continue;
                 };
-                if e.samples < self.unwind_min_samples {
-                    // A process woken once for a moment: its stacks are walked by frame
-                    // pointers; tables (the sampler's most costly work) wait until it
-                    // runs more.
-                    Metrics::inc(&self.metrics.unwind_tables_deferred_few_samples);
-                    continue;
-                }
                 for (idx, m) in e.record.mappings.iter().enumerate() {
                     let file = (dev_of(m), m.inode);
                     if sent.wants(file, round)
@@ -71,10 +66,11 @@ impl Enricher {
                 .send_table(link, (pid_id, idx as u32, version), (&path, file), round)
                 .await;
             link.tables().borrow_mut().set(file, state);
+            self.note_table(file, state);
         }
     }
 
-    async fn send_table<L: SamplerLink>(
+    pub(super) async fn send_table<L: SamplerLink>(
         &mut self,
         link: &L,
         (pid_id, idx, version): (u64, u32, u32),
@@ -98,39 +94,14 @@ impl Enricher {
                 return State::Retry(round + 1);
             }
         };
-        let mut python = None;
-        let built = crate::unwind::map_fd(fd).and_then(|map| {
-            if crate::python::might_be_cpython(path) {
-                python = Some(self.note_interpreter(&map, path));
-            }
-            let t0 = std::time::Instant::now();
-            let built = crate::unwind::build_from_map(&map);
-            Metrics::add(
-                &m.unwind_table_build_ns,
-                u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
-            );
-            built
-        });
-        if let Some(record) = python {
-            self.python.set_file(file, record);
-        }
-        let table = match built {
-            Ok(t) if !t.rows.is_empty() => t,
-            Ok(_) | Err(_) => {
-                Metrics::inc(&m.unwind_table_build_errors);
-                if let Err(e) = built {
-                    tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
-                }
-                return State::Given;
-            }
+        let Some((bytes, rows)) = self.rows_of(fd, path, file) else {
+            return State::Given;
         };
-        Metrics::inc(&m.unwind_tables_built);
-        let rows = table.rows.len();
-        match link.load_table(pid_id, idx, version, &table.bytes()).await {
+        match link.load_table(pid_id, idx, version, &bytes).await {
             Ok(()) => {
                 Metrics::inc(&m.unwind_tables_sent);
                 Metrics::add(&m.unwind_table_rows_sent, rows as u64);
-                tracing::debug!(path, rows, fdes = table.fdes, source = ?table.source, "unwind table sent");
+                tracing::debug!(path, rows, "unwind table sent");
                 State::Loaded
             }
             Err(crate::broker::TableSendError::Refused(r)) => {
@@ -152,6 +123,85 @@ impl Enricher {
                 State::Retry(round + 1)
             }
         }
+    }
+
+    /// The table rows of a brokered file (and its row count): from the on-disk cache
+    /// when it holds them, else built from the file's CFI and kept there. The file is
+    /// also looked at for a CPython. `None`: no usable table (counted, logged).
+    fn rows_of(
+        &mut self,
+        fd: std::os::fd::OwnedFd,
+        path: &str,
+        file: (u64, u64),
+    ) -> Option<(Vec<u8>, usize)> {
+        use crate::unwind::cache::{key_of, Found};
+        const ROW: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
+        let metrics = self.metrics.clone();
+        let m = &*metrics;
+        let map = match crate::unwind::map_fd(fd) {
+            Ok(map) => map,
+            Err(e) => {
+                Metrics::inc(&m.unwind_table_build_errors);
+                tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
+                return None;
+            }
+        };
+        if crate::python::might_be_cpython(path) {
+            let record = self.note_interpreter(&map, path);
+            self.python.set_file(file, record);
+        }
+        let key = self.table_cache.as_ref().map(|_| key_of(&map));
+        if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
+            match cache.get(key) {
+                Found::Rows(bytes) => {
+                    Metrics::inc(&m.unwind_table_cache_hits);
+                    let rows = bytes.len() / ROW;
+                    return (rows > 0).then_some((bytes, rows));
+                }
+                Found::Missing => Metrics::inc(&m.unwind_table_cache_misses),
+                Found::Corrupt => {
+                    Metrics::inc(&m.unwind_table_cache_corrupt);
+                    tracing::warn!(
+                        path,
+                        key,
+                        "a cached unwind table failed its check; removed and built again"
+                    );
+                }
+            }
+        }
+        let t0 = std::time::Instant::now();
+        let built = crate::unwind::build_from_map(&map);
+        Metrics::add(
+            &m.unwind_table_build_ns,
+            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+        );
+        let table = match built {
+            Ok(t) if !t.rows.is_empty() => t,
+            Ok(_) | Err(_) => {
+                Metrics::inc(&m.unwind_table_build_errors);
+                if let Err(e) = built {
+                    tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
+                }
+                return None;
+            }
+        };
+        Metrics::inc(&m.unwind_tables_built);
+        tracing::debug!(path, rows = table.rows.len(), fdes = table.fdes, source = ?table.source, "unwind table built");
+        let bytes = table.bytes();
+        if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
+            match cache.put(key, &bytes) {
+                Ok(evicted) => Metrics::add(&m.unwind_table_cache_evicted, evicted),
+                Err(e) => {
+                    Metrics::inc(&m.unwind_table_cache_write_errors);
+                    tracing::warn!(error = %e, "keeping an unwind table on disk failed");
+                }
+            }
+            m.unwind_cache_bytes
+                .store(cache.bytes(), std::sync::atomic::Ordering::Relaxed);
+            m.unwind_cache_entries
+                .store(cache.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        Some((bytes, table.rows.len()))
     }
 
     /// A CPython interpreter among a process's files: its version and layout, from the

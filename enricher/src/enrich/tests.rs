@@ -105,6 +105,7 @@ fn batch(round: u64, addr: u64, with_record: bool) -> Batch {
         mappings: vec![m],
         mappings_version: 1,
         complete: true,
+        first_sample_ns: 0,
     };
     Batch {
         session_id: 7,
@@ -248,4 +249,57 @@ fn python_frames_are_named_from_the_batch_blobs() {
     assert_eq!(m.python_code_malformed.load(Relaxed), 1);
     assert_eq!(m.python_frames_named.load(Relaxed), 1);
     assert_eq!(m.python_frames_unnamed.load(Relaxed), 1);
+}
+
+#[test]
+fn an_announced_process_gets_its_tables_before_any_round_within_the_budget() {
+    let addr = marker_function();
+    let mut e = enricher();
+    let link = FakeLink::default();
+    let mut record = batch(1, addr, true).processes;
+    record[0].first_sample_ns = firn_schema::boot_ns();
+    run(e.announced(record.clone(), Some(&link)));
+    assert!(link.loaded_rows.get() > 100, "sent at once");
+    assert_eq!(e.early.waiting(), 0);
+    assert!(e.early_wait().is_none());
+    let m = &e.metrics;
+    assert_eq!(m.unwind_tables_early.load(Ordering::Relaxed), 1);
+    // Its round sends nothing again; a process announced while the budget is spent
+    // waits for it to come back.
+    let rows = link.loaded_rows.get();
+    run(e.handle(batch(1, addr, false), Some(&link)));
+    assert_eq!(link.loaded_rows.get(), rows);
+    let other = FakeLink::default();
+    e.early.spend(10.0);
+    run(e.announced(record, Some(&other)));
+    assert_eq!(other.loaded_rows.get(), 0, "over budget: waits");
+    let wait = e.early_wait().expect("work waits");
+    assert!(wait > std::time::Duration::from_secs(30), "{wait:?}");
+    e.early.spend(-20.0);
+    run(e.early_work(&other));
+    assert!(
+        other.loaded_rows.get() > 100,
+        "sent once the budget is back"
+    );
+}
+
+#[test]
+fn tables_kept_on_disk_are_read_back_without_a_build() {
+    let addr = marker_function();
+    let dir = std::env::temp_dir().join(format!("firn-enrich-uwc-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut rows = Vec::new();
+    for round in 0..2 {
+        let mut e = enricher();
+        e.table_cache = Some(crate::unwind::cache::Cache::open(&dir, 1 << 30).unwrap());
+        let link = FakeLink::default();
+        run(e.handle(batch(1, addr, true), Some(&link)));
+        rows.push(link.loaded_rows.get());
+        let m = &e.metrics;
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+        let (built, hits) = (get(&m.unwind_tables_built), get(&m.unwind_table_cache_hits));
+        assert_eq!((built, hits), if round == 0 { (1, 0) } else { (0, 1) });
+    }
+    assert!(rows[0] > 100 && rows[0] == rows[1], "{rows:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -145,11 +145,20 @@ pub(crate) struct Settings {
           value_parser = clap::value_parser!(u32).range(1..=16_777_216))]
     pub(crate) symbol_frames: u32,
 
-    /// Samples a process needs (in all rounds so far) before the unwind tables of its
-    /// binaries are built and sent to the sampler. Loading a table is the sampler's
-    /// most costly work; a daemon that wakes for a moment is walked by frame pointers
-    /// until it runs more. 1 sends tables for every sampled process.
-    #[arg(long, env = "FIRN_UNWIND_MIN_SAMPLES", default_value_t = 5,
+    /// Folder where unwind tables are kept between runs, so that a restart or a binary
+    /// seen before costs a file read, not a CFI parse (default: `.unwind-cache` under
+    /// --output-dir). Entries are checked when read; a damaged one is built again.
+    #[arg(long, env = "FIRN_UNWIND_CACHE_DIR")]
+    pub(crate) unwind_cache_dir: Option<PathBuf>,
+
+    /// Bytes the unwind table cache keeps at most (least recently used go first); 0
+    /// keeps none.
+    #[arg(long, env = "FIRN_UNWIND_CACHE_SIZE", default_value = "128MiB", value_parser = parse_bytes)]
+    pub(crate) unwind_cache_size: u64,
+
+    /// No longer used (accepted so that old settings still start): tables are built and
+    /// sent from a process's first sample, within a budget of work per second.
+    #[arg(long, env = "FIRN_UNWIND_MIN_SAMPLES", default_value_t = 1, hide = true,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) unwind_min_samples: u64,
 
@@ -350,6 +359,18 @@ pub(crate) struct Settings {
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FIRN_LOG", default_value = "info")]
     pub(crate) log: String,
+}
+
+impl Settings {
+    /// The unwind table cache's folder, unless it is off (`--unwind-cache-size 0`, or
+    /// `--dump`).
+    pub(crate) fn unwind_cache(&self) -> Option<PathBuf> {
+        (self.unwind_cache_size > 0 && !self.dump).then(|| {
+            self.unwind_cache_dir
+                .clone()
+                .unwrap_or_else(|| self.output_dir.join(".unwind-cache"))
+        })
+    }
 }
 
 /// `1GiB`, `200MiB`, `64KiB`, `1G`, `5MB`, or plain bytes.

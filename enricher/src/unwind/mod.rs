@@ -2,6 +2,7 @@
 //! (the sampler parses no ELF or DWARF), sent over the subscription in chunks.
 
 pub mod build;
+pub(crate) mod cache;
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;

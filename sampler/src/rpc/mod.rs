@@ -129,11 +129,22 @@ pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: bat
             tables_evicted: c.unwind_tables_evicted.get(),
             counters: &counters,
         };
-        let mut req = sink.push_request();
-        wire::fill_batch(req.get().init_batch(), &out, &meta);
-        drop(out);
-        match req.send().await {
-            Ok(()) => bump(&c.batches_sent),
+        let (sent, res) = match &out.round {
+            Some(round) => {
+                let mut req = sink.push_request();
+                wire::fill_batch(req.get().init_batch(), round, &out, &meta);
+                drop(out);
+                (&c.batches_sent, req.send().await)
+            }
+            None => {
+                let mut req = sink.announce_request();
+                wire::fill_processes(req.get(), &out.processes);
+                drop(out);
+                (&c.announcements_sent, req.send().await)
+            }
+        };
+        match res {
+            Ok(()) => bump(sent),
             Err(e) => {
                 bump(&c.send_errors);
                 tracing::info!(subscriber = sub.id, error = %e, "subscriber gone");

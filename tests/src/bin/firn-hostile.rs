@@ -139,21 +139,39 @@ struct Sink {
     target: Rc<RefCell<Option<(u64, u32)>>>,
 }
 
+impl Sink {
+    fn records(
+        &self,
+        procs: capnp::Result<
+            capnp::struct_list::Reader<'_, firn_schema::firn_capnp::process::Owned>,
+        >,
+    ) {
+        for p in procs.into_iter().flatten() {
+            let has_file = p.get_mappings().is_ok_and(|m| !m.is_empty());
+            if has_file && self.target.borrow().is_none() {
+                *self.target.borrow_mut() = Some((p.get_process_id(), p.get_mappings_version()));
+            }
+        }
+    }
+}
+
 impl batch_sink::Server for Sink {
     fn push(
         self: Rc<Self>,
         params: batch_sink::PushParams,
     ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
         if let Ok(b) = params.get().and_then(|p| p.get_batch()) {
-            if let Ok(procs) = b.get_processes() {
-                for p in procs.iter() {
-                    let has_file = p.get_mappings().is_ok_and(|m| !m.is_empty());
-                    if has_file && self.target.borrow().is_none() {
-                        *self.target.borrow_mut() =
-                            Some((p.get_process_id(), p.get_mappings_version()));
-                    }
-                }
-            }
+            self.records(b.get_processes());
+        }
+        std::future::ready(Ok(()))
+    }
+
+    fn announce(
+        self: Rc<Self>,
+        params: batch_sink::AnnounceParams,
+    ) -> impl std::future::Future<Output = Result<(), capnp::Error>> + 'static {
+        if let Ok(p) = params.get() {
+            self.records(p.get_processes());
         }
         std::future::ready(Ok(()))
     }

@@ -1,0 +1,199 @@
+//! Tables from a process's first sample: the sampler announces a new process as soon as
+//! it has read it, and the files it maps that have no table yet are queued here and
+//! built and sent between rounds, within a budget of work per second. A program that
+//! lives a few seconds then has whole stacks in its first round, whatever the round
+//! length.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::{dev_of, Enricher, SamplerLink};
+use crate::batch::Process;
+use crate::metrics::Metrics;
+
+/// Table work between rounds per second at most (building and sending): a burst of new
+/// binaries is spread out instead of stalling the rounds, which wait meanwhile.
+const RATE: f64 = 0.25;
+/// Work that may be done at once after a quiet while.
+const BURST: f64 = 1.0;
+/// Files waiting at most; past it the oldest waits for its round (counted).
+const MAX_WAITING: usize = 4096;
+
+struct Want {
+    process_id: u64,
+    index: usize,
+    file: (u64, u64),
+}
+
+/// The queue of files waiting for their table, and the budget it is worked off with.
+pub(crate) struct Early {
+    queue: VecDeque<Want>,
+    /// Seconds of work that may be spent now (negative: owed).
+    tokens: f64,
+    last: Instant,
+    /// File → CLOCK_BOOTTIME ns of the first sample of a process that waits for it.
+    waiting_since: HashMap<(u64, u64), u64>,
+}
+
+impl Default for Early {
+    fn default() -> Self {
+        Self {
+            queue: VecDeque::new(),
+            tokens: BURST,
+            last: Instant::now(),
+            waiting_since: HashMap::new(),
+        }
+    }
+}
+
+impl Early {
+    fn refill(&mut self, now: Instant) {
+        let dt = now.saturating_duration_since(self.last).as_secs_f64();
+        self.tokens = (self.tokens + dt * RATE).min(BURST);
+        self.last = now;
+    }
+
+    /// How long until queued work may go on; `None` when nothing waits.
+    pub(crate) fn wait(&mut self) -> Option<Duration> {
+        if self.queue.is_empty() {
+            return None;
+        }
+        self.refill(Instant::now());
+        Some(Duration::from_secs_f64((-self.tokens).max(0.0) / RATE))
+    }
+
+    /// When the table of `file` became ready, the time since the first sample of a
+    /// process that waited for it (ms), once.
+    pub(crate) fn ready(&mut self, file: (u64, u64)) -> Option<u64> {
+        let since = self.waiting_since.remove(&file)?;
+        Some(firn_schema::boot_ns().saturating_sub(since) / 1_000_000)
+    }
+
+    pub(crate) fn forget(&mut self, file: (u64, u64)) {
+        self.waiting_since.remove(&file);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Owes `secs` of work, as if it had just been done.
+    #[cfg(test)]
+    pub(crate) fn spend(&mut self, secs: f64) {
+        self.refill(Instant::now());
+        self.tokens -= secs;
+    }
+}
+
+impl Enricher {
+    /// Records announced between rounds: kept, and their files that want a table queued,
+    /// each process's executable first (its own code is what its first samples hold;
+    /// the libraries it shares are most often loaded already). Then works the queue.
+    pub(crate) async fn announced<L: SamplerLink>(
+        &mut self,
+        records: Vec<Process>,
+        link: Option<&L>,
+    ) {
+        let round = self.round;
+        let ids: Vec<u64> = records.iter().map(|p| p.process_id).collect();
+        self.processes.update(records, round);
+        let Some(link) = link else { return };
+        {
+            let sent = link.tables().borrow();
+            for &id in &ids {
+                let Some(e) = self.processes.get(id) else {
+                    continue;
+                };
+                let mut order: Vec<usize> = (0..e.record.mappings.len()).collect();
+                order.sort_by_key(|&i| e.record.mappings[i].path != e.record.exe);
+                for i in order {
+                    let m = &e.record.mappings[i];
+                    let file = (dev_of(m), m.inode);
+                    if !sent.wants(file, round) {
+                        continue;
+                    }
+                    let first = e.record.first_sample_ns;
+                    if first != 0 {
+                        let since = self.early.waiting_since.entry(file).or_insert(first);
+                        *since = (*since).min(first);
+                    }
+                    if self.early.queue.iter().any(|w| w.file == file) {
+                        continue;
+                    }
+                    if self.early.queue.len() >= MAX_WAITING {
+                        self.early.queue.pop_front();
+                        Metrics::inc(&self.metrics.unwind_tables_early_overflow);
+                    }
+                    self.early.queue.push_back(Want {
+                        process_id: id,
+                        index: i,
+                        file,
+                    });
+                }
+            }
+        }
+        self.early_work(link).await;
+    }
+
+    /// Builds and sends queued tables while the budget lasts; the interpreter records of
+    /// the processes served follow (they need their file's analysis).
+    pub(crate) async fn early_work<L: SamplerLink>(&mut self, link: &L) {
+        let round = self.round;
+        let mut served = Vec::new();
+        loop {
+            let now = Instant::now();
+            self.early.refill(now);
+            if self.early.tokens <= 0.0 {
+                break;
+            }
+            let Some(w) = self.early.queue.pop_front() else {
+                break;
+            };
+            if !link.tables().borrow().wants(w.file, round) {
+                continue;
+            }
+            // The process may have gone, or its mappings been read again since.
+            let Some(e) = self.processes.get(w.process_id) else {
+                continue;
+            };
+            let Some(m) = e.record.mappings.get(w.index) else {
+                continue;
+            };
+            if (dev_of(m), m.inode) != w.file {
+                continue;
+            }
+            let (version, path) = (e.record.mappings_version, m.path.clone());
+            let state = self
+                .send_table(
+                    link,
+                    (w.process_id, w.index as u32, version),
+                    (&path, w.file),
+                    round,
+                )
+                .await;
+            link.tables().borrow_mut().set(w.file, state);
+            self.note_table(w.file, state);
+            Metrics::inc(&self.metrics.unwind_tables_early);
+            let spent = now.elapsed().as_secs_f64();
+            self.early.tokens -= spent;
+            served.push(w.process_id);
+        }
+        if !served.is_empty() {
+            self.send_interpreters_of(&served, link).await;
+        }
+    }
+
+    /// After a table's fate is known: the time from first sample to table, when loaded.
+    pub(super) fn note_table(&mut self, file: (u64, u64), state: crate::unwind::State) {
+        match state {
+            crate::unwind::State::Loaded => {
+                if let Some(ms) = self.early.ready(file) {
+                    self.metrics.unwind_table_ready.observe_ms(ms);
+                }
+            }
+            crate::unwind::State::Given => self.early.forget(file),
+            crate::unwind::State::Retry(_) => {}
+        }
+    }
+}

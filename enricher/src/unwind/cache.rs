@@ -1,0 +1,306 @@
+//! Unwind tables kept on disk between runs, so that a restart, or a binary that ran
+//! before, costs a file read instead of a CFI parse. Keyed by the binary's build id, or
+//! by a SHA-256 of its bytes when it has none. Each entry carries a digest of its rows
+//! and is checked when read: a corrupt, truncated or stale entry is removed, counted and
+//! built again, never sent. The sampler checks the rows as strictly whatever their
+//! source. Bounded in bytes; the least recently used entries go first.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+/// Bumped whenever the table builder's output may change for the same binary.
+const FORMAT: u32 = 1;
+const MAGIC: &[u8; 8] = b"FIRNUWC1";
+/// Magic, format, row count, SHA-256 of the rows.
+const HEADER: usize = 8 + 4 + 4 + 32;
+const ROW: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CacheError {
+    #[error("unwind table cache {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What a lookup found.
+pub(crate) enum Found {
+    /// The rows, as sent to the sampler.
+    Rows(Vec<u8>),
+    Missing,
+    /// An entry that failed its check (removed).
+    Corrupt,
+}
+
+struct Entry {
+    bytes: u64,
+    used: SystemTime,
+}
+
+pub(crate) struct Cache {
+    dir: PathBuf,
+    max_bytes: u64,
+    bytes: u64,
+    entries: HashMap<String, Entry>,
+}
+
+/// The cache key of a binary's bytes: `b-<build id>` or `h-<sha256>`.
+pub(crate) fn key_of(map: &[u8]) -> String {
+    use object::Object;
+    let id = crate::symbolize::contained(|| {
+        object::File::parse(map)
+            .ok()
+            .and_then(|f| f.build_id().ok().flatten().map(<[u8]>::to_vec))
+    })
+    .flatten()
+    .filter(|id| !id.is_empty());
+    match id {
+        Some(id) => format!("b-{}", hex(&id)),
+        None => format!(
+            "h-{}",
+            hex(ring::digest::digest(&ring::digest::SHA256, map).as_ref())
+        ),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn digest(rows: &[u8]) -> [u8; 32] {
+    let mut d = [0; 32];
+    d.copy_from_slice(ring::digest::digest(&ring::digest::SHA256, rows).as_ref());
+    d
+}
+
+/// The rows of an entry's bytes if it passes every check.
+fn check(data: &[u8]) -> Option<&[u8]> {
+    if data.len() < HEADER || &data[..8] != MAGIC {
+        return None;
+    }
+    let word = |at: usize| u32::from_le_bytes([data[at], data[at + 1], data[at + 2], data[at + 3]]);
+    let (format, rows) = (word(8), word(12) as usize);
+    let body = &data[HEADER..];
+    (format == FORMAT && body.len() == rows.checked_mul(ROW)? && digest(body)[..] == data[16..48])
+        .then_some(body)
+}
+
+impl Cache {
+    /// Opens (creating) `dir`, and learns what it holds; over `max_bytes`, the least
+    /// recently used entries go now.
+    pub(crate) fn open(dir: &Path, max_bytes: u64) -> Result<Self, CacheError> {
+        let io = |source| CacheError::Io {
+            path: dir.to_path_buf(),
+            source,
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let mut c = Self {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            bytes: 0,
+            entries: HashMap::new(),
+        };
+        for e in std::fs::read_dir(dir).map_err(io)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(key) = name.strip_suffix(".tbl") else {
+                // A write cut short by a crash, never renamed into place.
+                if name.starts_with(".tmp-") {
+                    let _ = std::fs::remove_file(e.path());
+                }
+                continue;
+            };
+            let Ok(m) = e.metadata() else { continue };
+            let used = m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+            c.bytes += m.len();
+            c.entries.insert(
+                key.to_string(),
+                Entry {
+                    bytes: m.len(),
+                    used,
+                },
+            );
+        }
+        c.shrink(0);
+        Ok(c)
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        self.dir.join(format!("{key}.tbl"))
+    }
+
+    /// The rows kept for `key`, checked. A hit counts as a use (for eviction).
+    pub(crate) fn get(&mut self, key: &str) -> Found {
+        if !self.entries.contains_key(key) {
+            return Found::Missing;
+        }
+        let path = self.path(key);
+        let Ok(data) = std::fs::read(&path) else {
+            self.remove(key);
+            return Found::Missing;
+        };
+        match check(&data) {
+            Some(rows) => {
+                let now = SystemTime::now();
+                if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+                    let _ = f.set_modified(now);
+                }
+                if let Some(e) = self.entries.get_mut(key) {
+                    e.used = now;
+                }
+                Found::Rows(rows.to_vec())
+            }
+            None => {
+                self.remove(key);
+                Found::Corrupt
+            }
+        }
+    }
+
+    /// Keeps `rows` for `key` (written aside, then renamed into place), making room.
+    /// Returns the entries evicted.
+    pub(crate) fn put(&mut self, key: &str, rows: &[u8]) -> Result<u64, CacheError> {
+        let size = (HEADER + rows.len()) as u64;
+        if size > self.max_bytes || !rows.len().is_multiple_of(ROW) {
+            return Ok(0);
+        }
+        let evicted = self.shrink(size);
+        let path = self.path(key);
+        let tmp = self.dir.join(format!(".tmp-{key}"));
+        let io = |source| CacheError::Io {
+            path: path.clone(),
+            source,
+        };
+        let n = u32::try_from(rows.len() / ROW).unwrap_or(u32::MAX);
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(MAGIC)?;
+            f.write_all(&FORMAT.to_le_bytes())?;
+            f.write_all(&n.to_le_bytes())?;
+            f.write_all(&digest(rows))?;
+            f.write_all(rows)?;
+            std::fs::rename(&tmp, &path)
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        self.remove(key);
+        self.bytes += size;
+        self.entries.insert(
+            key.to_string(),
+            Entry {
+                bytes: size,
+                used: SystemTime::now(),
+            },
+        );
+        Ok(evicted)
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some(e) = self.entries.remove(key) {
+            self.bytes = self.bytes.saturating_sub(e.bytes);
+            let _ = std::fs::remove_file(self.path(key));
+        }
+    }
+
+    /// Evicts the least recently used entries until `room` more bytes fit.
+    fn shrink(&mut self, room: u64) -> u64 {
+        let mut evicted = 0;
+        while self.bytes + room > self.max_bytes {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.used)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            self.remove(&oldest);
+            evicted += 1;
+        }
+        evicted
+    }
+
+    pub(crate) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(n: usize, seed: u8) -> Vec<u8> {
+        (0..n * ROW).map(|i| (i as u8).wrapping_mul(seed)).collect()
+    }
+
+    #[test]
+    fn entries_come_back_checked_and_a_damaged_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("firn-uwc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut c = Cache::open(&dir, 1 << 20).unwrap();
+        c.put("b-01", &rows(100, 3)).unwrap();
+        assert!(matches!(c.get("b-01"), Found::Rows(r) if r == rows(100, 3)));
+        assert!(matches!(c.get("b-02"), Found::Missing));
+        // Reopened: still there. Then one byte flipped, then cut short: refused, gone.
+        let mut c = Cache::open(&dir, 1 << 20).unwrap();
+        assert_eq!(c.len(), 1);
+        let path = dir.join("b-01.tbl");
+        let mut data = std::fs::read(&path).unwrap();
+        data[HEADER + 5] ^= 1;
+        std::fs::write(&path, &data).unwrap();
+        assert!(matches!(c.get("b-01"), Found::Corrupt));
+        assert!(!path.exists() && c.len() == 0 && c.bytes() == 0);
+        c.put("b-01", &rows(100, 3)).unwrap();
+        let data = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &data[..data.len() - 8]).unwrap();
+        assert!(matches!(c.get("b-01"), Found::Corrupt));
+        // A stale format is refused the same way.
+        c.put("b-01", &rows(10, 3)).unwrap();
+        let mut data = std::fs::read(&path).unwrap();
+        data[8] = 99;
+        std::fs::write(&path, &data).unwrap();
+        assert!(matches!(c.get("b-01"), Found::Corrupt));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_cache_keeps_to_its_bytes_least_recently_used_first() {
+        let dir = std::env::temp_dir().join(format!("firn-uwc-lru-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let one = (HEADER + 1000 * ROW) as u64;
+        let mut c = Cache::open(&dir, 3 * one).unwrap();
+        for k in ["b-1", "b-2", "b-3"] {
+            c.put(k, &rows(1000, 5)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(matches!(c.get("b-1"), Found::Rows(_)), "b-1 used again");
+        assert_eq!(c.put("b-4", &rows(1000, 5)).unwrap(), 1);
+        assert!(
+            matches!(c.get("b-2"), Found::Missing),
+            "least recently used went"
+        );
+        assert!(matches!(c.get("b-1"), Found::Rows(_)));
+        assert!(c.bytes() <= 3 * one && c.len() == 3);
+        // Reopened with a smaller bound: shrinks at once.
+        let c = Cache::open(&dir, one).unwrap();
+        assert!(c.bytes() <= one && c.len() == 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn keys_are_build_ids_or_content_hashes() {
+        let me = std::fs::read("/proc/self/exe").unwrap();
+        let k = key_of(&me);
+        assert!(k.starts_with("b-") && k.len() > 10, "{k}");
+        assert!(key_of(b"not an elf").starts_with("h-"));
+        assert_ne!(key_of(b"a"), key_of(b"b"));
+    }
+}

@@ -1,0 +1,220 @@
+//! Whole stacks from a binary's first sample: the sampler announces a new process as
+//! soon as it has read it, the enricher sends its binaries' tables between rounds, and
+//! keeps them on disk for the next run. Default 10 s rounds; binaries with build ids no
+//! run has seen; every sample of each program counted, its first round included; read
+//! back with `go tool pprof -traces`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+
+/// Waits until a round that began at or after `since_ns` is written (so every round
+/// with samples before it is), or 60 s.
+fn wait_round_after(out: &Path, since_ns: u64) {
+    let t0 = Instant::now();
+    while t0.elapsed() < 60 * SECS {
+        if index_records(out)
+            .iter()
+            .any(|(_, r)| r["start_ns"].as_u64().is_some_and(|s| s >= since_ns))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    panic!("no round after the workloads ended was written");
+}
+
+/// Share of `pid`'s samples `whole` accepts among those `counted` accepts, per round
+/// (for the log) and in all.
+fn whole_share(
+    f: &Firn,
+    pid: u32,
+    counted: impl Fn(&[String]) -> bool + Copy,
+    whole: impl Fn(&[String]) -> bool + Copy,
+) -> (f64, u64, Vec<String>) {
+    let mut files: Vec<PathBuf> = f.profiles_of(pid);
+    files.sort();
+    assert!(!files.is_empty(), "no profile of {pid}");
+    let rounds = files
+        .iter()
+        .map(|p| {
+            let (s, n) = share(&traces(std::slice::from_ref(p)), counted, whole);
+            format!("{:.1} % of {n}", s * 100.0)
+        })
+        .collect();
+    let t = traces(&files);
+    let (s, n) = share(&t, counted, whole);
+    if s < 0.95 {
+        eprintln!("{pid}: not whole: {:#?}", worst_stacks(&t, whole));
+    }
+    (s, n, rounds)
+}
+
+#[test]
+fn whole_stacks_from_the_first_sample_with_default_rounds() {
+    if !can_run_bpf() {
+        return;
+    }
+    let f = Firn::start("first", &["--frequency", "99"]);
+    let chain8 = compile_fresh("chain.c", f.dir.path(), &fresh_build_id(1));
+    let chain2 = compile_fresh("chain.c", f.dir.path(), &fresh_build_id(2));
+    let go = go_workload_fresh("gospin", f.dir.path(), &fresh_build_id(3));
+    // Past the enricher's first round, whose tables are those of the node's processes.
+    std::thread::sleep(3 * SECS);
+    let mut c8 = start_workload(&chain8, &["8"]);
+    let mut g = start_workload(&go, &["8"]);
+    let mut c2 = start_workload(&chain2, &["2"]);
+    let pids = [c8.pid(), g.pid(), c2.pid()];
+    for w in [&mut c8, &mut g, &mut c2] {
+        assert!(w.wait_exit(30 * SECS).is_some(), "workload did not end");
+    }
+    wait_round_after(&f.out, now_ns());
+
+    let any = |_: &[String]| true;
+    let to_main = |fr: &[String]| fr.iter().any(|x| x == "main");
+    let chain = |fr: &[String]| {
+        has_chain(fr, &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"])
+            || !fr.iter().any(|x| x == "chain_leaf")
+    };
+    for (name, pid, min) in [("8 s", pids[0], 600), ("2 s", pids[2], 100)] {
+        let (s, n, rounds) = whole_share(&f, pid, any, |fr| to_main(fr) && chain(fr));
+        eprintln!(
+            "gcc -O2 chain living {name}: {:.1} % of {n} samples whole to main; rounds {rounds:?}",
+            s * 100.0
+        );
+        assert!(n >= min && s >= 0.95, "chain {name}: {s:.3} of {n}");
+    }
+    let leaf = |fr: &[String]| fr.iter().any(|x| x == "main.spinLeaf");
+    let (s, n, rounds) = whole_share(&f, pids[1], leaf, |fr| {
+        has_chain(fr, &["main.spinLeaf", "main.spinOuter", "main.main"])
+    });
+    eprintln!(
+        "Go frameless leaf with its callers: {:.1} % of {n}; rounds {rounds:?}",
+        s * 100.0
+    );
+    assert!(n >= 500 && s >= 0.95, "Go {s:.3} of {n}");
+
+    // From a binary's first sample to its table in the sampler, on /metrics.
+    let m = |k: &str| f.metric(k).unwrap_or(0.0);
+    let count = m("firn_enricher_unwind_table_ready_seconds_count");
+    let quick = m("firn_enricher_unwind_table_ready_seconds_bucket{le=\"0.25\"}");
+    let fast = m("firn_enricher_unwind_table_ready_seconds_bucket{le=\"0.05\"}");
+    eprintln!(
+        "tables ready: {count} timed, {fast} within 50 ms, {quick} within 250 ms; \
+         {} sent between rounds",
+        m("firn_enricher_unwind_tables_early_total")
+    );
+    assert!(count >= 3.0, "the three binaries' tables were timed");
+    assert!(quick >= count / 2.0, "median over 250 ms");
+    assert!(m("firn_sampler_processes_announced") >= 3.0);
+}
+
+/// The modification time of `p`, in seconds since the epoch.
+fn mtime(p: &Path) -> u64 {
+    std::fs::metadata(p)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Waits up to 60 s for `what` to hold.
+fn wait_until(what: &str, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < 60 * SECS, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn tables_come_from_the_disk_cache_after_a_restart_and_a_damaged_one_is_built_again() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start("uwcache", &["--frequency", "99", "--round", "1"]);
+    let id = fresh_build_id(7);
+    let chain = compile_fresh("chain.c", f.dir.path(), &id);
+    let entry = f.out.join(".unwind-cache").join(format!("b-{id}.tbl"));
+    let mut c = start_workload(&chain, &["300"]);
+    wait_until("the chain's table on disk", || entry.exists());
+    let good = std::fs::read(&entry).unwrap();
+    assert!(
+        f.metric("firn_enricher_unwind_table_cache_misses_total")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
+
+    // A restart: the table is read from disk (the read marks it used), not built.
+    let restart = |f: &mut Firn| {
+        if let Some(mut e) = f.enricher.take() {
+            e.stop();
+        }
+        let old = std::process::Command::new("touch")
+            .args(["-d", "2001-01-01"])
+            .arg(&entry)
+            .status()
+            .unwrap();
+        assert!(old.success());
+        f.start_enricher(&[]);
+    };
+    restart(&mut f);
+    wait_until("the cached table read", || {
+        mtime(&entry) > 1_000_000_000 + 10_000_000
+    });
+    let hits = f
+        .metric("firn_enricher_unwind_table_cache_hits_total")
+        .unwrap_or(0.0);
+    assert!(hits >= 1.0, "no cache hit");
+    assert_eq!(std::fs::read(&entry).unwrap(), good);
+    assert_eq!(
+        f.metric("firn_enricher_unwind_table_cache_corrupt_total"),
+        Some(0.0)
+    );
+
+    // One row byte flipped while the enricher is down: refused, counted, built again.
+    let mut bad = good.clone();
+    let at = bad.len() - 3;
+    bad[at] ^= 0x40;
+    if let Some(mut e) = f.enricher.take() {
+        e.stop();
+    }
+    std::fs::write(&entry, &bad).unwrap();
+    f.start_enricher(&[]);
+    wait_until("the damaged entry counted", || {
+        f.metric("firn_enricher_unwind_table_cache_corrupt_total")
+            .unwrap_or(0.0)
+            >= 1.0
+    });
+    wait_until("the entry rebuilt", || {
+        std::fs::read(&entry).is_ok_and(|b| b == good)
+    });
+    // Its stacks from then on are whole.
+    let since = now_ns();
+    std::thread::sleep(5 * SECS);
+    wait_round_after(&f.out, now_ns());
+    let files: Vec<PathBuf> = index_records(&f.out)
+        .into_iter()
+        .filter(|(_, r)| {
+            r["labels"]["pid"].as_str() == Some(c.pid().to_string().as_str())
+                && r["start_ns"].as_u64().is_some_and(|s| s >= since)
+        })
+        .map(|(p, _)| p)
+        .collect();
+    let t = traces(&files);
+    let (s, n) = share(
+        &t,
+        |_| true,
+        |fr| has_chain(fr, &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"]),
+    );
+    eprintln!("after the rebuild: {:.1} % of {n} whole", s * 100.0);
+    assert!(
+        n >= 200 && s >= 0.95,
+        "{s:.3} of {n}: {:?}",
+        worst_stacks(&t, |_| false)
+    );
+    c.stop();
+}
