@@ -71,6 +71,8 @@ pub struct Sample {
     pub(crate) kernel_stack: Stack,
     /// Why the unwinder stopped early, when the stack is known to be cut short.
     pub(crate) user_end: Option<&'static str>,
+    /// The cgroup v2 id it was taken in (0: unknown); its path in some `Batch.cgroups`.
+    pub(crate) cgroup_id: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -91,6 +93,8 @@ pub struct Batch {
     /// Python code objects' names as the BPF walk copied them (decoded by
     /// `python::names`, which bounds each).
     pub(crate) python_code: Vec<Vec<u8>>,
+    /// Cgroup id → path, for ids not sent before.
+    pub(crate) cgroups: Vec<(u64, String)>,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -171,6 +175,12 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
             Ok(c.to_vec())
         })
         .collect::<Result<Vec<_>, DecodeError>>()?;
+    let list = b.get_cgroups()?;
+    check("cgroups", list.len(), limits::MAX_SAMPLES)?;
+    let cgroups = list
+        .iter()
+        .map(|c| Ok((c.get_id(), bytes(c.get_path()?, "cgroup bytes")?)))
+        .collect::<Result<Vec<_>, DecodeError>>()?;
     let forgotten = b.get_forgotten_processes()?;
     check(
         "forgotten processes",
@@ -191,6 +201,7 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         kernel_symbols,
         counters: counters(b.get_counters()?)?,
         python_code,
+        cgroups,
     })
 }
 
@@ -282,6 +293,7 @@ fn samples(
             } else {
                 unwind_marker(s.get_user_stack_end())
             },
+            cgroup_id: s.get_cgroup_id(),
         });
     }
     Ok(samples)

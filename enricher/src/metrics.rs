@@ -146,6 +146,7 @@ metrics! {
     unwind_table_cache_write_errors: "unwind tables that could not be written to the on-disk cache",
     unwind_tables_early: "unwind tables built and sent between rounds, from a process's announcement",
     unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",
+    samples_in_moved_cgroups: "label sets of processes sampled in another cgroup than the one their record was read in (they moved; once per process, cgroup and round)",
     announcements_received: "announcements of new processes received between rounds",
     announcements_rejected: "announcements rejected as malformed or over a limit",
     unwind_table_rows_sent: "unwind rows the sampler took",

@@ -32,6 +32,8 @@ pub(crate) struct Sample {
     pub(crate) kernel_status: StackStatus,
     /// Why the unwinder stopped (`enum firn_unwind_end`).
     pub(crate) unwind_end: u32,
+    /// The cgroup v2 id the sample was taken in.
+    pub(crate) cgroup_id: u64,
 }
 
 /// A process record as issued to subscribers: its session id and mapping version.
@@ -52,6 +54,8 @@ pub(crate) struct RoundData {
     pub(crate) processes: Vec<Issued>,
     /// Python code objects' names, as the walk copied them (opaque here).
     pub(crate) python_code: Vec<Rc<[u8]>>,
+    /// The path of each cgroup id the samples name, where known.
+    pub(crate) cgroups: Vec<(u64, Rc<[u8]>)>,
 }
 
 const UNKNOWN_KERNEL: &[u8] = b"[unknown]";
@@ -113,6 +117,7 @@ pub(crate) fn assemble(
         empty: Rc::from(Vec::new()),
     };
     let mut processes: HashMap<u64, Issued> = HashMap::new();
+    let mut cgroups: HashMap<u64, Option<Rc<[u8]>>> = HashMap::new();
     let mut samples = Vec::with_capacity(drained.samples.len());
     for raw in &drained.samples {
         let user = stacks.user(raw.user, &drained);
@@ -145,7 +150,11 @@ pub(crate) fn assemble(
             user_status: user_status(raw.user, &drained),
             kernel_status: status(raw.kernel, &drained),
             unwind_end: raw.unwind_end,
+            cgroup_id: raw.cgroup_id,
         });
+        if let std::collections::hash_map::Entry::Vacant(v) = cgroups.entry(raw.cgroup_id) {
+            v.insert(table.cgroups.get(raw.cgroup_id));
+        }
     }
     add(&counters.samples_sent, samples.len() as u64);
     RoundData {
@@ -156,6 +165,10 @@ pub(crate) fn assemble(
         kernel_symbols: stacks.symbols,
         processes: processes.into_values().collect(),
         python_code: drained.python_code.into_iter().map(Rc::from).collect(),
+        cgroups: cgroups
+            .into_iter()
+            .filter_map(|(id, text)| Some((id, text?)))
+            .collect(),
     }
 }
 

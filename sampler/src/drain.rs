@@ -64,6 +64,8 @@ pub(crate) struct RawSample {
     pub(crate) kernel: StackRef,
     /// Why the unwinder stopped (`enum firn_unwind_end`).
     pub(crate) unwind_end: u32,
+    /// The cgroup v2 id the sample was taken in.
+    pub(crate) cgroup_id: u64,
     pub(crate) count: u64,
 }
 
@@ -108,6 +110,7 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
         },
         kernel: stack(key.kern_stack_id),
         unwind_end: key.unwind_end,
+        cgroup_id: key.cgroup_id,
         comm: key.comm.map(|c| c as u8),
         count: 0,
     })
@@ -359,6 +362,7 @@ mod tests {
             kern_stack_id: -libc::EFAULT,
             exec_id: 5,
             unwind_end: 3,
+            cgroup_id: 77,
             comm,
         };
         let mut bytes = [0u8; KEY_SIZE];
@@ -370,10 +374,10 @@ mod tests {
             (41, 42, 7_000_000_001, 5)
         );
         assert_eq!(s.user, UserRef::Hash(0xfeed));
-        assert_eq!(s.unwind_end, 3);
+        assert_eq!((s.unwind_end, s.cgroup_id), (3, 77));
         assert_eq!(s.kernel, StackRef::Err(-libc::EFAULT));
         assert_eq!(&s.comm[..6], b"worker");
         assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());
-        assert_eq!(KEY_SIZE, 56);
+        assert_eq!(KEY_SIZE, 64);
     }
 }

@@ -1,5 +1,6 @@
 //! The BPF program's process events: a ring buffer of NEW (first sample of a process),
-//! EXEC (a sampled process exec'd) and EXIT (a sampled process ended). They let the
+//! EXEC (a sampled process exec'd), EXIT (a sampled process ended) and CGROUP (a seen
+//! process sampled in another cgroup than its last sample's). They let the
 //! sampler read a process's /proc entry within milliseconds of its first sample, so a
 //! process that lives 20 ms is still there to be read.
 
@@ -17,6 +18,7 @@ pub(crate) enum EventKind {
     New,
     Exec,
     Exit,
+    Cgroup,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +29,8 @@ pub(crate) struct ProcEvent {
     pub(crate) comm: [u8; firn_sampler_bpf::COMM_LEN],
     /// NEW: the inode of the executable the process ran at that sample (0: unknown).
     pub(crate) exe_ino: u64,
+    /// NEW, CGROUP: the cgroup v2 id the sample was taken in.
+    pub(crate) cgroup_id: u64,
 }
 
 const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
@@ -43,6 +47,7 @@ pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
         firn_event_kind::FIRN_EV_NEW => EventKind::New,
         firn_event_kind::FIRN_EV_EXEC => EventKind::Exec,
         firn_event_kind::FIRN_EV_EXIT => EventKind::Exit,
+        firn_event_kind::FIRN_EV_CGROUP => EventKind::Cgroup,
         _ => return None,
     };
     Some(ProcEvent {
@@ -54,6 +59,7 @@ pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
         },
         comm: e.comm.map(|c| c as u8),
         exe_ino: e.exe_ino,
+        cgroup_id: e.cgroup_id,
     })
 }
 
@@ -117,6 +123,7 @@ mod tests {
             reserved: 0,
             comm,
             exe_ino: 11,
+            cgroup_id: 13,
         };
         // SAFETY: firn_event is plain data; viewing it as bytes is sound.
         unsafe { std::slice::from_raw_parts((&raw const e).cast::<u8>(), EVENT_SIZE) }.to_vec()
@@ -134,7 +141,8 @@ mod tests {
                 exec_id: 3
             }
         );
-        assert_eq!((e.comm[0], e.exe_ino), (b'x', 11));
+        assert_eq!((e.comm[0], e.exe_ino, e.cgroup_id), (b'x', 11, 13));
+        assert_eq!(parse(&raw(4)).unwrap().kind, EventKind::Cgroup);
         assert!(parse(&raw(9)).is_none(), "unknown kind");
         assert!(parse(&raw(1)[..EVENT_SIZE - 1]).is_none(), "short");
     }

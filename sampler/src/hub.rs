@@ -20,6 +20,8 @@ use firn_logs::TokenBucket;
 /// symbols this keeps a batch well under the enricher's 128 MiB reader limit. Records
 /// past it wait for the next batch, oldest first.
 pub(crate) const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
+/// Cgroup ids remembered as sent per subscriber; past it they are sent again.
+const MAX_CGROUPS_SENT: usize = 65_536;
 
 pub(crate) struct Outgoing {
     /// `None`: an announcement, records read between rounds (no samples).
@@ -29,6 +31,8 @@ pub(crate) struct Outgoing {
     /// Python code blobs of batches dropped before this one (each code object's names
     /// are copied once, so they must not be lost with their batch).
     pub(crate) python_code: Vec<Rc<[u8]>>,
+    /// Cgroup paths this subscriber was not sent before (of this batch and dropped ones).
+    pub(crate) cgroups: Vec<(u64, Rc<[u8]>)>,
 }
 
 pub(crate) struct Subscriber {
@@ -50,6 +54,8 @@ pub(crate) struct Subscriber {
     pub(crate) rate: RefCell<TokenBucket>,
     /// Records over a batch's byte bound, to go into the next batch.
     deferred: RefCell<Vec<Issued>>,
+    /// Cgroup ids whose path this subscriber was sent.
+    cgroups_sent: RefCell<std::collections::HashSet<u64>>,
 }
 
 impl Subscriber {
@@ -157,6 +163,7 @@ impl Hub {
             next_ticket: Cell::new(0),
             rate: RefCell::new(TokenBucket::new(BROKER_RATE, BROKER_BURST)),
             deferred: RefCell::new(Vec::new()),
+            cgroups_sent: RefCell::new(std::collections::HashSet::new()),
         });
         self.subs.borrow_mut().push(sub.clone());
         sub
@@ -208,12 +215,24 @@ impl Hub {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
+            let mut known = sub.cgroups_sent.borrow_mut();
+            if known.len() > MAX_CGROUPS_SENT {
+                // Sent again as samples name them: the set stays bounded.
+                known.clear();
+            }
+            let cgroups = round
+                .cgroups
+                .iter()
+                .filter(|(id, _)| known.insert(*id))
+                .cloned()
+                .collect();
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {
                 round: Some(round.clone()),
                 processes,
                 forgotten,
                 python_code: Vec::new(),
+                cgroups,
             });
             bump(&c.batches_queued);
             self.trim(sub, &mut q);
@@ -262,6 +281,7 @@ impl Hub {
                     processes,
                     forgotten: Vec::new(),
                     python_code: Vec::new(),
+                    cgroups: Vec::new(),
                 }),
             }
             self.trim(sub, &mut q);
@@ -295,6 +315,9 @@ impl Hub {
                 break;
             };
             next.forgotten.extend(old.forgotten);
+            let mut cgroups = old.cgroups;
+            cgroups.retain(|(id, _)| !next.cgroups.iter().any(|c| c.0 == *id));
+            next.cgroups.extend(cgroups);
             // Within the batch's bound with the next round's own blobs; past it the
             // oldest go (counted; their frames stay unnamed).
             let own = next.round.as_ref().map_or(0, |r| r.python_code.len());
@@ -366,6 +389,7 @@ mod tests {
             kernel_symbols: Vec::new(),
             processes,
             python_code: Vec::new(),
+            cgroups: Vec::new(),
         })
     }
 

@@ -4,6 +4,7 @@
 mod assemble;
 mod attach;
 mod broker;
+mod cgroups;
 mod cli;
 mod counters;
 mod drain;

@@ -8,6 +8,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
+use crate::cgroups::Cgroups;
 use crate::counters::{add, bump, Counters};
 use crate::handles::Handles;
 use crate::procfs::{self, ProcError, ProcessRecord};
@@ -95,6 +96,8 @@ pub(crate) struct ProcessTable {
     fresh: Vec<(ProcKey, Rc<ProcessRecord>)>,
     /// Every process forgotten since the last `take_dropped`.
     dropped: Vec<ProcKey>,
+    /// Cgroup paths by cgroup id (what samples name).
+    pub(crate) cgroups: Cgroups,
 }
 
 impl Default for ProcessTable {
@@ -107,14 +110,13 @@ impl Default for ProcessTable {
 /// Its mapped files are queued for handles ([`ProcessTable::take_handles`]).
 fn read_record(
     key: ProcKey,
-    comm: &[u8],
-    exe_ino: u64,
+    (comm, exe_ino, cgroup): (&[u8], u64, Option<&[u8]>),
     handles: &RefCell<Handles>,
     counters: &Counters,
 ) -> (ProcessRecord, usize) {
     let (tgid, start_ns) = (key.tgid, key.start_ns);
     let t0 = std::time::Instant::now();
-    let got = procfs::read_process_at(tgid, start_ns, exe_ino);
+    let got = procfs::read_process_at(tgid, start_ns, exe_ino, cgroup);
     add(
         &counters.process_read_ns,
         u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -187,6 +189,7 @@ impl ProcessTable {
             unseen: Vec::new(),
             fresh: Vec::new(),
             dropped: Vec::new(),
+            cgroups: Cgroups::default(),
         }
     }
 
@@ -210,7 +213,7 @@ impl ProcessTable {
     pub(crate) fn discover(
         &mut self,
         key: ProcKey,
-        (comm, exe_ino): (&[u8], u64),
+        (comm, exe_ino, cgroup_id): (&[u8], u64, u64),
         (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) {
@@ -221,7 +224,21 @@ impl ProcessTable {
         if self.read_left > 0 {
             bump(&counters.processes_read_early);
         }
-        self.insert(key, (comm, exe_ino), (round, seen_ns), counters);
+        let id = self.insert(key, (comm, exe_ino, cgroup_id), (round, seen_ns), counters);
+        if let Some(k) = self
+            .by_key
+            .get(&key)
+            .filter(|k| k.id == id && k.record.complete)
+        {
+            self.cgroups.learn(cgroup_id, &k.record.cgroup, counters);
+        }
+    }
+
+    /// A known process sampled in cgroup `id`, another than its last sample's.
+    pub(crate) fn moved(&mut self, key: ProcKey, id: u64, counters: &Counters) {
+        if self.by_key.get(&key).is_some_and(|k| k.ended.is_none()) {
+            self.cgroups.moved((key.tgid, key.start_ns), id, counters);
+        }
     }
 
     /// Takes the handles of the files that records read since the last call map: after
@@ -260,13 +277,13 @@ impl ProcessTable {
         counters: &Counters,
     ) -> u64 {
         let Some(k) = self.by_key.get_mut(&key) else {
-            return self.insert(key, (comm, 0), (round, 0), counters);
+            return self.insert(key, (comm, 0, 0), (round, 0), counters);
         };
         k.last_seen = k.last_seen.max(round);
         // Once ended, /proc describes another program or nothing: the record stays.
         if k.ended.is_none() {
             if k.deferred && self.read_left > 0 {
-                let (mut record, read) = read_record(key, comm, 0, &self.handles, counters);
+                let (mut record, read) = read_record(key, (comm, 0, None), &self.handles, counters);
                 record.first_sample_ns = k.record.first_sample_ns;
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
@@ -296,14 +313,23 @@ impl ProcessTable {
     fn insert(
         &mut self,
         key: ProcKey,
-        (comm, exe_ino): (&[u8], u64),
+        (comm, exe_ino, cgroup_id): (&[u8], u64, u64),
         (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) -> u64 {
         self.next_id += 1;
         let id = self.next_id;
         let (mut record, deferred) = if self.read_left > 0 {
-            let (record, read) = read_record(key, comm, exe_ino, &self.handles, counters);
+            let cgroup = self.cgroups.for_discovery(cgroup_id);
+            if cgroup.is_some() {
+                bump(&counters.cgroup_reads_saved);
+            }
+            let (record, read) = read_record(
+                key,
+                (comm, exe_ino, cgroup.as_deref()),
+                &self.handles,
+                counters,
+            );
             self.read_left = self.read_left.saturating_sub(read);
             (record, false)
         } else {
@@ -547,7 +573,7 @@ mod tests {
         let c = Counters::default();
         let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
         let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
-        t.discover(before, (b"sh", 0), (1, 0), &c);
+        t.discover(before, (b"sh", 0, 0), (1, 0), &c);
         let a = t.observe(before, b"sh", (&[], false), 1, &c);
         let b = t.observe(after, b"prog", (&[], false), 1, &c);
         assert_ne!(a, b, "one pid, two programs, two records");

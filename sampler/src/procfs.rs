@@ -150,11 +150,13 @@ fn clock_ticks() -> u64 {
 /// `/proc/<pid>` directory fd (to take handles of the mapped files through the
 /// process's root). With `exe_ino` not 0, the process must still run the executable
 /// with that inode (as BPF saw it): otherwise it exec'd meanwhile and /proc describes
-/// its next program (`Execed`).
+/// its next program (`Execed`). `cgroup`: the text of the cgroup the process was
+/// sampled in, when already known (then not read again).
 pub(crate) fn read_process_at(
     pid: u32,
     start_ns: u64,
     exe_ino: u64,
+    cgroup: Option<&[u8]>,
 ) -> Result<(ProcessRecord, usize, OwnedFd), ProcError> {
     // A directory fd of /proc/<pid> keeps naming this very process: if it exits and the
     // pid is reused, reads through the fd fail instead of describing the newcomer.
@@ -182,7 +184,10 @@ pub(crate) fn read_process_at(
     let cmdline = read_bounded(&dir, pid, "cmdline", limits::MAX_CMDLINE_BYTES as usize)
         .map(|c| split_cmdline(&c))
         .unwrap_or_default();
-    let cgroup = read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?;
+    let cgroup = match cgroup {
+        Some(c) => c.to_vec(),
+        None => read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?,
+    };
     let ((mappings, code), maps_read) = read_maps(&dir, pid)?;
     if exe.is_empty() && mappings.is_empty() && !parsed.kernel_thread {
         // Its memory went while it was read (exit_mm comes before the zombie state).
@@ -236,6 +241,18 @@ pub(crate) fn is_alive(pid: u32, start_ns: u64) -> bool {
         return false;
     };
     parse_stat(&stat).is_some_and(|s| s.start_ticks == start_ns / (1_000_000_000 / clock_ticks()))
+}
+
+/// `/proc/<pid>/cgroup` of the process that started at `start_ns` (after it moved).
+pub(crate) fn read_cgroup(pid: u32, start_ns: u64) -> Result<Vec<u8>, ProcError> {
+    let (dir, _, _) = verified(pid, start_ns)?;
+    read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)
+}
+
+/// Whether a cgroup file's text is cgroup v2 alone (one `0::` line): then it is the
+/// same for every process of that cgroup id, and may stand for a read.
+pub(crate) fn unified_only(text: &[u8]) -> bool {
+    text.starts_with(b"0::") && text.iter().filter(|&&b| b == b'\n').count() <= 1
 }
 
 /// A directory fd of /proc/<pid>, checked to belong to the process that started at
@@ -560,20 +577,27 @@ mod tests {
         let stat = std::fs::read(format!("/proc/{me}/stat")).unwrap();
         let ticks = parse_stat(&stat).unwrap().start_ticks;
         let (rec, read, _) =
-            read_process_at(me, ticks * (1_000_000_000 / clock_ticks()), 0).unwrap();
+            read_process_at(me, ticks * (1_000_000_000 / clock_ticks()), 0, None).unwrap();
         assert!(read > 0);
         assert!(rec.complete);
         assert!(!rec.mappings.is_empty());
         assert!(matches!(
-            read_process_at(me, (ticks + 5) * (1_000_000_000 / clock_ticks()), 0),
+            read_process_at(me, (ticks + 5) * (1_000_000_000 / clock_ticks()), 0, None),
             Err(ProcError::Reused { .. })
         ));
         // BPF saw another executable: the process exec'd since; this one runs on.
         let start = ticks * (1_000_000_000 / clock_ticks());
         let exe = std::fs::metadata(format!("/proc/{me}/exe")).unwrap();
-        assert!(read_process_at(me, start, std::os::unix::fs::MetadataExt::ino(&exe)).is_ok());
+        assert!(
+            read_process_at(me, start, std::os::unix::fs::MetadataExt::ino(&exe), None).is_ok()
+        );
         assert!(matches!(
-            read_process_at(me, start, std::os::unix::fs::MetadataExt::ino(&exe) + 1),
+            read_process_at(
+                me,
+                start,
+                std::os::unix::fs::MetadataExt::ino(&exe) + 1,
+                None
+            ),
             Err(ProcError::Execed { .. })
         ));
     }

@@ -157,8 +157,12 @@ impl Rounds {
             match e.kind {
                 EventKind::New => {
                     bump(&c.events_new);
-                    self.table
-                        .discover(e.key, (&e.comm, e.exe_ino), (in_progress, seen_ns), c);
+                    self.table.discover(
+                        e.key,
+                        (&e.comm, e.exe_ino, e.cgroup_id),
+                        (in_progress, seen_ns),
+                        c,
+                    );
                 }
                 EventKind::Exec => {
                     bump(&c.events_exec);
@@ -168,6 +172,7 @@ impl Rounds {
                     bump(&c.events_exit);
                     self.table.ended(e.key, Ending::Exit, in_progress);
                 }
+                EventKind::Cgroup => self.table.moved(e.key, e.cgroup_id, c),
             }
         }
     }
@@ -360,6 +365,7 @@ mod tests {
             user,
             kernel: StackRef::Err(-libc::EFAULT),
             unwind_end: 0,
+            cgroup_id: 0,
             count,
         }
     }
@@ -494,6 +500,7 @@ mod tests {
             key,
             comm: [0; firn_sampler_bpf::COMM_LEN],
             exe_ino: 0,
+            cgroup_id: 0,
         };
         r.on_events(&[event(EventKind::New)], &c);
         assert_eq!(

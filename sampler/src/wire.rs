@@ -88,6 +88,12 @@ pub(crate) fn fill_batch(
     for (i, blob) in carried_code.iter().chain(&round.python_code).enumerate() {
         code.set(len32(i), blob);
     }
+    let mut cg = b.reborrow().init_cgroups(len32(out.cgroups.len()));
+    for (i, (id, path)) in out.cgroups.iter().enumerate() {
+        let mut w = cg.reborrow().get(len32(i));
+        w.set_id(*id);
+        w.set_path(path);
+    }
     let mut samples = b.init_samples(len32(round.samples.len()));
     for (i, s) in round.samples.iter().enumerate() {
         let mut w: sample::Builder<'_> = samples.reborrow().get(len32(i));
@@ -97,6 +103,7 @@ pub(crate) fn fill_batch(
         let comm_len = s.comm.iter().position(|&c| c == 0).unwrap_or(s.comm.len());
         w.set_comm(&s.comm[..comm_len]);
         w.set_count(s.count);
+        w.set_cgroup_id(s.cgroup_id);
         w.set_user_stack(wire(s.user_status));
         w.set_kernel_stack(wire(s.kernel_status));
         w.set_user_stack_end(crate::unwind::ends::wire(s.unwind_end));

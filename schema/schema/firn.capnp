@@ -177,6 +177,15 @@ struct Batch {
   # it), firstLine (UInt32), nameLen, fileLen, tableLen (UInt16), minor, flags (UInt8),
   # 4 zero bytes; then the qualname, the file name and the line table bytes. Each is at
   # most pythonCodeMaxBytes; untrusted content from the profiled process.
+  cgroups @13 :List(Cgroup);
+  # The path of each cgroup id this batch's samples name that this subscriber was not
+  # sent before (and whose path the sampler knows): /proc/<pid>/cgroup of a process
+  # sampled in it, read when it was first seen there.
+}
+
+struct Cgroup {
+  id @0 :UInt64;                 # the kernel's cgroup v2 id (a cgroupfs inode number)
+  path @1 :Data;                 # /proc/<pid>/cgroup as read, bounded
 }
 
 const pythonCodeMaxBytes :UInt32 = 3992;
@@ -247,4 +256,8 @@ struct Sample {
   userStack @7 :StackStatus;
   kernelStack @8 :StackStatus;
   userStackEnd @9 :UnwindEnd;
+  cgroupId @10 :UInt64;
+  # The cgroup v2 id the sample was taken in (0: unknown): its path is in Batch.cgroups
+  # of this batch or an earlier one. A process that moves keeps its record, and its
+  # samples from then on name the new cgroup.
 }

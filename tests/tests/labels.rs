@@ -3,7 +3,7 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use firn_tests::*;
 
@@ -230,4 +230,99 @@ fn profile_by_container_merges_processes() {
         }
     }
     assert!(rounds.values().all(|&n| n == 1), "{rounds:?}");
+}
+
+/// CPU seconds (user + system) `pid` has used.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // utime and stime are fields 14 and 15: 12 and 13 after the comm.
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / 100.0
+}
+
+#[test]
+fn labels_follow_a_process_into_another_cgroup_and_hopping_is_bounded() {
+    if !can_run_bpf() {
+        return;
+    }
+    let f = Firn::start("cgmove", FAST);
+    let mut busy = start_workload(&workload("busy"), &["12"]);
+    let pid = busy.pid();
+    std::thread::sleep(4 * SECS);
+    let unit = "firn-test-moved.service";
+    let moved = Cgroup::create(&format!("system.slice/{unit}"));
+    let at = now_ns();
+    std::fs::write(moved.procs(), pid.to_string()).expect("move the workload");
+    busy.wait_exit(30 * SECS).expect("workload ends");
+    f.wait_profiles(pid, 5, 30 * SECS);
+    std::thread::sleep(3 * SECS);
+    let entries: Vec<Value> = index_records(&f.out)
+        .into_iter()
+        .filter(|(_, r)| r["labels"]["pid"].as_str() == Some(pid.to_string().as_str()))
+        .map(|(_, r)| r)
+        .collect();
+    let unit_of = |r: &Value| r["labels"]["systemd_unit"].as_str().map(str::to_string);
+    let round_ns = 2_000_000_000;
+    // Rounds wholly before the move: the old cgroup; wholly after: the new one alone.
+    let before: Vec<&Value> = entries
+        .iter()
+        .filter(|r| r["start_ns"].as_u64().unwrap_or(0) + round_ns <= at)
+        .collect();
+    let after: Vec<&Value> = entries
+        .iter()
+        .filter(|r| r["start_ns"].as_u64().unwrap_or(0) > at)
+        .collect();
+    assert!(!before.is_empty() && after.len() >= 3, "{entries:#?}");
+    assert!(
+        before.iter().all(|r| unit_of(r).as_deref() != Some(unit)),
+        "{before:#?}"
+    );
+    assert!(
+        after.iter().all(|r| unit_of(r).as_deref() == Some(unit)),
+        "{after:#?}"
+    );
+    assert!(f.metric("firn_sampler_cgroup_moves").unwrap_or(0.0) >= 1.0);
+    drop(moved);
+
+    // A process hopping between two cgroups a thousand times a second: two reads in
+    // all, the sampler's CPU and memory bounded.
+    let a = Cgroup::create("system.slice/firn-test-hop-a.service");
+    let b = Cgroup::create("system.slice/firn-test-hop-b.service");
+    let mut busy = start_workload(&workload("busy"), &["12"]);
+    let pid = busy.pid().to_string();
+    let spid = f.sampler.pid();
+    let (cpu0, reads0) = (
+        cpu_secs(spid),
+        f.metric("firn_sampler_cgroup_reads").unwrap_or(0.0),
+    );
+    let t0 = Instant::now();
+    let mut hops = 0u64;
+    while t0.elapsed() < 10 * SECS {
+        let to = if hops % 2 == 0 { &a } else { &b };
+        if std::fs::write(to.procs(), &pid).is_ok() {
+            hops += 1;
+        }
+        std::thread::sleep(Duration::from_micros(900));
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let cpu = (cpu_secs(spid) - cpu0) / secs * 1000.0;
+    busy.wait_exit(30 * SECS).expect("workload ends");
+    std::thread::sleep(3 * SECS);
+    let reads = f.metric("firn_sampler_cgroup_reads").unwrap_or(0.0) - reads0;
+    let moves = f.metric("firn_sampler_cgroup_moves").unwrap_or(0.0);
+    let hwm = status_kib(spid, "VmHWM").unwrap_or(0);
+    eprintln!(
+        "{hops} hops in {secs:.1} s: sampler {cpu:.2} ms/s, {reads} cgroup reads, \
+         {moves} moves seen, VmHWM {hwm} KiB"
+    );
+    assert!(hops as f64 / secs >= 500.0, "the hopper was too slow");
+    assert!(reads <= 4.0, "{reads} reads for two cgroups");
+    assert!(moves >= 100.0, "BPF saw few moves: {moves}");
+    assert!(cpu < 20.0, "sampler at {cpu:.2} ms/s while hopping");
+    assert!(hwm <= 24 * 1024, "sampler peak RSS {hwm} KiB");
+    drop((a, b));
 }

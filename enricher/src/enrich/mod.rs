@@ -23,6 +23,9 @@ use crate::model::Round;
 use crate::processes::ProcessTable;
 use crate::symbolize::Symbolizer;
 
+/// Cgroup paths kept at most (the sampler sends each once; past it, a sample whose
+/// path is gone is labelled by its process's record).
+const MAX_CGROUPS: usize = 65_536;
 /// Broker requests at most per round, so a burst of new binaries cannot stall a round.
 const MAX_OPENS_PER_ROUND: usize = 256;
 /// Rounds before a binary the broker refused is asked for again.
@@ -107,6 +110,8 @@ pub struct Enricher {
     round: u64,
     /// Files of announced processes waiting for their tables.
     early: early::Early,
+    /// Cgroup id → path, as the sampler sent them this session.
+    pub(crate) cgroups: std::collections::HashMap<u64, String>,
     /// Tables kept on disk between runs (`--unwind-cache-dir`), if any.
     pub(crate) table_cache: Option<crate::unwind::cache::Cache>,
     /// CPython interpreter files analysed (device, inode → record), and the names of
@@ -129,6 +134,7 @@ impl Enricher {
             round: 0,
             early: early::Early::default(),
             table_cache: None,
+            cgroups: std::collections::HashMap::new(),
             python: python::Python::default(),
         }
     }
@@ -176,6 +182,7 @@ impl Enricher {
             self.python.names.clear();
             self.early = early::Early::default();
             self.round = 0;
+            self.cgroups.clear();
         }
         self.processes.set_session(session);
     }
@@ -184,6 +191,10 @@ impl Enricher {
     fn take_records(&mut self, batch: &Batch) {
         self.set_session(batch.session_id);
         self.round = batch.round;
+        if self.cgroups.len() + batch.cgroups.len() > MAX_CGROUPS {
+            self.cgroups.clear();
+        }
+        self.cgroups.extend(batch.cgroups.iter().cloned());
         self.processes.update(batch.processes.clone(), batch.round);
         for s in &batch.samples {
             self.processes.touch(s.process_id, batch.round, s.count);

@@ -71,7 +71,7 @@ impl Enricher {
     /// The round's stacks: frames named from `resolved`, labels per process.
     pub(super) fn stacks(&mut self, batch: &Batch, resolved: &Resolved) -> Vec<StackSample> {
         let m = self.metrics.clone();
-        let mut label_sets: HashMap<u64, Option<Arc<LabelSet>>> = HashMap::new();
+        let mut label_sets: HashMap<(u64, u64), Option<Arc<LabelSet>>> = HashMap::new();
         let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
         let kernel_names: Vec<Arc<str>> = batch
             .kernel_symbols
@@ -120,17 +120,27 @@ impl Enricher {
         stacks
     }
 
-    /// The label set of a sample's process, computed once a round (None: a relabel rule
-    /// dropped the process).
+    /// The label set of a sample's process in the cgroup it was taken in, computed once
+    /// a round (None: a relabel rule dropped the process). A process that moved after
+    /// its record was read is labelled by the cgroup of each sample.
     fn labels_of(
         &mut self,
         s: &Sample,
-        label_sets: &mut HashMap<u64, Option<Arc<LabelSet>>>,
+        label_sets: &mut HashMap<(u64, u64), Option<Arc<LabelSet>>>,
     ) -> Option<Arc<LabelSet>> {
-        if let Some(l) = label_sets.get(&s.process_id) {
+        if let Some(l) = label_sets.get(&(s.process_id, s.cgroup_id)) {
             return l.clone();
         }
         let entry = self.processes.get(s.process_id);
+        let moved = entry.and_then(|e| {
+            let path = self.cgroups.get(&s.cgroup_id)?;
+            (*path != e.record.cgroup).then(|| {
+                Metrics::inc(&self.metrics.samples_in_moved_cgroups);
+                let mut r = (*e.record).clone();
+                r.cgroup = path.clone();
+                r
+            })
+        });
         if entry.is_none() {
             tracing::info!(
                 pid = s.pid,
@@ -143,14 +153,15 @@ impl Enricher {
             executable_build_id: build_id,
             executable_stripped: stripped,
         };
+        let record = moved.as_ref().or(entry.map(|e| &*e.record));
         let l = self
             .labeler
-            .labels(s.process_id, entry.map(|e| &*e.record), s.pid, extra);
+            .labels((s.process_id, s.cgroup_id), record, s.pid, extra);
         if l.is_none() {
             Metrics::inc(&self.metrics.processes_dropped_by_relabel);
             tracing::debug!(pid = s.pid, "process dropped by a relabel rule");
         }
-        label_sets.insert(s.process_id, l.clone());
+        label_sets.insert((s.process_id, s.cgroup_id), l.clone());
         l
     }
 

@@ -131,11 +131,13 @@ fn batch(round: u64, addr: u64, with_record: bool) -> Batch {
             user_stack: Stack::Ok,
             kernel_stack: Stack::Absent,
             user_end: None,
+            cgroup_id: 0,
         }],
         kernel_symbols: Vec::new(),
         counters: Vec::new(),
         forgotten_processes: Vec::new(),
         tables_evicted: 0,
+        cgroups: Vec::new(),
     }
 }
 
@@ -302,4 +304,39 @@ fn tables_kept_on_disk_are_read_back_without_a_build() {
     }
     assert!(rows[0] > 100 && rows[0] == rows[1], "{rows:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn samples_after_a_move_carry_the_new_cgroups_labels() {
+    let addr = marker_function();
+    let rules = crate::labels::relabel::compile(&crate::labels::default_rules().unwrap()).unwrap();
+    let mut e = enricher();
+    e.labeler.reconfigure(rules, Vec::new());
+    let unit = |r: &Round, i: usize| {
+        r.stacks[i]
+            .labels
+            .iter()
+            .find(|(k, _)| k == "systemd_unit")
+            .map(|(_, v)| v.clone())
+    };
+    let mut b = batch(1, addr, true);
+    b.processes[0].cgroup = "0::/user.slice/user-0.slice/session-3.scope\n".into();
+    b.cgroups = vec![(9, "0::/system.slice/moved.service\n".into())];
+    let mut after = b.samples[0].clone();
+    after.cgroup_id = 9;
+    after.user_frames = vec![addr + 1];
+    b.samples.push(after);
+    let r = e.handle_offline(b);
+    assert_eq!(r.stacks.len(), 2);
+    let units: Vec<Option<String>> = (0..2).map(|i| unit(&r, i)).collect();
+    assert!(
+        units.contains(&Some("session-3.scope".into())),
+        "the sample before the move keeps the old labels: {units:?}"
+    );
+    assert!(units.contains(&Some("moved.service".into())), "{units:?}");
+    // Later rounds know the path without its being sent again.
+    let mut b = batch(2, addr, false);
+    b.samples[0].cgroup_id = 9;
+    let r = e.handle_offline(b);
+    assert_eq!(unit(&r, 0).as_deref(), Some("moved.service"));
 }

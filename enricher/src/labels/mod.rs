@@ -64,8 +64,8 @@ pub(crate) struct Extra<'a> {
     pub(crate) executable_stripped: Option<bool>,
 }
 
-/// (process id, mapping version, executable's binary known).
-type CacheKey = (u64, u32, bool);
+/// (process id, cgroup id of the samples, mapping version, executable's binary known).
+type CacheKey = (u64, u64, u32, bool);
 
 pub struct Labeler {
     rules: Vec<Rule>,
@@ -141,13 +141,14 @@ impl Labeler {
     /// The final label set of a process, or None when relabeling dropped it.
     pub(crate) fn labels(
         &mut self,
-        process_id: u64,
+        (process_id, cgroup_id): (u64, u64),
         p: Option<&Process>,
         pid: u32,
         extra: Extra<'_>,
     ) -> Option<Arc<LabelSet>> {
         let key = (
             process_id,
+            cgroup_id,
             p.map_or(0, |p| p.mappings_version),
             extra.executable_build_id.is_some() || extra.executable_stripped.is_some(),
         );

@@ -63,13 +63,14 @@ struct ustack_map ustacks_1 SEC(".maps");
 struct count_map counts_0 SEC(".maps");
 struct count_map counts_1 SEC(".maps");
 
-/* Processes already announced to the sampler. The sampler deletes an entry when it
- * forgets the process, and LRU eviction only costs a later read at the round's end. */
+/* Processes already announced to the sampler, with the cgroup id they were last
+ * sampled in. The sampler deletes an entry when it forgets the process, and LRU
+ * eviction only costs a later read at the round's end. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 32768);
 	__type(key, struct firn_proc_id);
-	__type(value, __u8);
+	__type(value, __u64);
 } seen SEC(".maps");
 
 /* Process events. The sampler sets its size (--events-buffer-kib) before loading. */
@@ -147,7 +148,7 @@ static __always_inline void proc_id_of(struct task_struct *task, struct firn_pro
 }
 
 /* 0 once the event is in the ring buffer; -1 (counted) when the buffer is full. */
-static __always_inline int emit(__u32 kind, const struct firn_proc_id *id)
+static __always_inline int emit(__u32 kind, const struct firn_proc_id *id, __u64 cgroup_id)
 {
 	struct firn_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 
@@ -165,6 +166,7 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id)
 	 * (an exec may come between); 0 for a kernel thread. */
 	e->exe_ino = kind == FIRN_EV_NEW ?
 		BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm, exe_file, f_inode, i_ino) : 0;
+	e->cgroup_id = cgroup_id;
 	/* Only a new process is urgent (it may be gone in milliseconds); exec and exit
 	 * events wait for the next wakeup or the round's end, which halves the wakeups.
 	 * A new one forces its wakeup: the default wakes only a consumer that has read
@@ -180,7 +182,7 @@ static __always_inline void ended(__u32 kind, const struct firn_proc_id *id)
 	if (!bpf_map_lookup_elem(&seen, id))
 		return;
 	bpf_map_delete_elem(&seen, id);
-	emit(kind, id);
+	emit(kind, id, 0);
 }
 
 /* The context allows only whole 8-byte loads of the saved registers. */
@@ -202,8 +204,7 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	struct firn_sample_key key = {};
 	struct task_struct *task, *leader;
 	struct firn_proc_id pid;
-	__u64 one = 1, *count;
-	__u8 yes = 1;
+	__u64 one = 1, *count, *was;
 	__u32 set = active_set;
 	void *stacks, *counts, *ustacks;
 
@@ -230,12 +231,22 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 	key.start_ns = BPF_CORE_READ(leader, start_boottime);
 	key.exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
 	bpf_get_current_comm(&key.comm, sizeof(key.comm));
+	key.cgroup_id = bpf_get_current_cgroup_id();
 
 	pid.tgid = tgid;
 	pid.exec_id = key.exec_id;
 	pid.start_ns = key.start_ns;
-	if (!bpf_map_lookup_elem(&seen, &pid) && emit(FIRN_EV_NEW, &pid) == 0)
-		bpf_map_update_elem(&seen, &pid, &yes, BPF_ANY);
+	was = bpf_map_lookup_elem(&seen, &pid);
+	if (!was) {
+		if (emit(FIRN_EV_NEW, &pid, key.cgroup_id) == 0)
+			bpf_map_update_elem(&seen, &pid, &key.cgroup_id, BPF_ANY);
+	} else if (*was != key.cgroup_id) {
+		/* Moved since its last sample: the sampler reads the new cgroup's path (once
+		 * per cgroup id; a process that hops back and forth costs no more reads). One
+		 * event per sample at most, so per process at most the sampling rate. */
+		if (emit(FIRN_EV_CGROUP, &pid, key.cgroup_id) == 0)
+			*was = key.cgroup_id;
+	}
 
 	user_stack(ctx, task, ustacks, &key);
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a

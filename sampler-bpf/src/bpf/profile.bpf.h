@@ -63,6 +63,7 @@ enum firn_event_kind {
 	FIRN_EV_NEW = 1,   /* first sample of (tgid, start, exec id): read /proc now */
 	FIRN_EV_EXEC = 2,  /* a sampled process exec'd: `exec_id` names what it ran before */
 	FIRN_EV_EXIT = 3,  /* a sampled process exited (its last thread) */
+	FIRN_EV_CGROUP = 4, /* a seen process was sampled in another cgroup than before */
 };
 
 struct firn_sample_key {
@@ -74,13 +75,14 @@ struct firn_sample_key {
 	__s32 kern_stack_id;             /* >= 0, or -errno */
 	__u32 exec_id;                   /* leader's exec count (low bits): tells an exec */
 	__u32 unwind_end;                /* enum firn_unwind_end */
+	__u64 cgroup_id;                 /* the task's cgroup v2 id at the sample */
 	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
 };
 
 /* The sampler reads this layout through the skeleton's generated `firn_sample_key`
  * (from the program's BTF): one definition, here. The size is part of the contract with
  * the batched map drain, so a change must be deliberate. */
-_Static_assert(sizeof(struct firn_sample_key) == 56, "firn_sample_key is 56 bytes");
+_Static_assert(sizeof(struct firn_sample_key) == 64, "firn_sample_key is 64 bytes");
 
 /* A user stack as the unwinder stores it: return addresses, innermost first, ended by 0
  * when shorter than FIRN_MAX_STACK_DEPTH. */
@@ -183,8 +185,9 @@ struct firn_event {
 	__u32 reserved;
 	char comm[FIRN_TASK_COMM_LEN];   /* comm of the thread that triggered it */
 	__u64 exe_ino;                   /* NEW: inode of the executable it ran (0: none) */
+	__u64 cgroup_id;                 /* NEW, CGROUP: the cgroup v2 id at the sample */
 };
-_Static_assert(sizeof(struct firn_event) == 48, "firn_event is 48 bytes");
+_Static_assert(sizeof(struct firn_event) == 56, "firn_event is 56 bytes");
 
 /* ---- CPython (python.bpf.h; written by the sampler from a checked record) ---- */
 
