@@ -147,6 +147,7 @@ metrics! {
     unwind_tables_early: "unwind tables built and sent between rounds, from a process's announcement",
     unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",
     samples_in_moved_cgroups: "label sets of processes sampled in another cgroup than the one their record was read in (they moved; once per process, cgroup and round)",
+    process_comm_changes: "processes whose main thread's comm differs from their record's (renamed itself; labelled by the new one)",
     announcements_received: "announcements of new processes received between rounds",
     announcements_rejected: "announcements rejected as malformed or over a limit",
     unwind_table_rows_sent: "unwind rows the sampler took",

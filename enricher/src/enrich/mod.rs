@@ -112,6 +112,8 @@ pub struct Enricher {
     early: early::Early,
     /// Cgroup id → path, as the sampler sent them this session.
     pub(crate) cgroups: std::collections::HashMap<u64, String>,
+    /// Process id → its main thread's comm, where it changed since the record was read.
+    pub(crate) main_comms: std::collections::HashMap<u64, String>,
     /// Tables kept on disk between runs (`--unwind-cache-dir`), if any.
     pub(crate) table_cache: Option<crate::unwind::cache::Cache>,
     /// CPython interpreter files analysed (device, inode → record), and the names of
@@ -135,6 +137,7 @@ impl Enricher {
             early: early::Early::default(),
             table_cache: None,
             cgroups: std::collections::HashMap::new(),
+            main_comms: std::collections::HashMap::new(),
             python: python::Python::default(),
         }
     }
@@ -183,6 +186,7 @@ impl Enricher {
             self.early = early::Early::default();
             self.round = 0;
             self.cgroups.clear();
+            self.main_comms.clear();
         }
         self.processes.set_session(session);
     }

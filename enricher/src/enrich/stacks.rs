@@ -68,8 +68,32 @@ impl Enricher {
         resolved
     }
 
+    /// A process whose main thread renamed itself since its record was read: its comm
+    /// as the main thread's samples show it (for this round and later ones).
+    fn note_comms(&mut self, batch: &Batch) {
+        for s in batch
+            .samples
+            .iter()
+            .filter(|s| s.tid == s.pid && !s.comm.is_empty())
+        {
+            let Some(e) = self.processes.get(s.process_id) else {
+                continue;
+            };
+            if e.record.comm == s.comm {
+                self.main_comms.remove(&s.process_id);
+            } else if self.main_comms.get(&s.process_id) != Some(&s.comm) {
+                Metrics::inc(&self.metrics.process_comm_changes);
+                self.main_comms.insert(s.process_id, s.comm.clone());
+            }
+        }
+        for id in &batch.forgotten_processes {
+            self.main_comms.remove(id);
+        }
+    }
+
     /// The round's stacks: frames named from `resolved`, labels per process.
     pub(super) fn stacks(&mut self, batch: &Batch, resolved: &Resolved) -> Vec<StackSample> {
+        self.note_comms(batch);
         let m = self.metrics.clone();
         let mut label_sets: HashMap<(u64, u64), Option<Arc<LabelSet>>> = HashMap::new();
         let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
@@ -133,13 +157,23 @@ impl Enricher {
         }
         let entry = self.processes.get(s.process_id);
         let moved = entry.and_then(|e| {
-            let path = self.cgroups.get(&s.cgroup_id)?;
-            (*path != e.record.cgroup).then(|| {
+            let path = self
+                .cgroups
+                .get(&s.cgroup_id)
+                .filter(|p| **p != e.record.cgroup);
+            let comm = self.main_comms.get(&s.process_id);
+            if path.is_none() && comm.is_none() {
+                return None;
+            }
+            let mut r = (*e.record).clone();
+            if let Some(path) = path {
                 Metrics::inc(&self.metrics.samples_in_moved_cgroups);
-                let mut r = (*e.record).clone();
                 r.cgroup = path.clone();
-                r
-            })
+            }
+            if let Some(comm) = comm {
+                r.comm = comm.clone();
+            }
+            Some(r)
         });
         if entry.is_none() {
             tracing::info!(

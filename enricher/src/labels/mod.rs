@@ -64,8 +64,9 @@ pub(crate) struct Extra<'a> {
     pub(crate) executable_stripped: Option<bool>,
 }
 
-/// (process id, cgroup id of the samples, mapping version, executable's binary known).
-type CacheKey = (u64, u64, u32, bool);
+/// (process id, cgroup id of the samples, hash of its comm, mapping version,
+/// executable's binary known).
+type CacheKey = (u64, u64, u64, u32, bool);
 
 pub struct Labeler {
     rules: Vec<Rule>,
@@ -146,9 +147,16 @@ impl Labeler {
         pid: u32,
         extra: Extra<'_>,
     ) -> Option<Arc<LabelSet>> {
+        let comm = p.map(|p| {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            p.comm.hash(&mut h);
+            h.finish()
+        });
         let key = (
             process_id,
             cgroup_id,
+            comm.unwrap_or(0),
             p.map_or(0, |p| p.mappings_version),
             extra.executable_build_id.is_some() || extra.executable_stripped.is_some(),
         );
