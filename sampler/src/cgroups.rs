@@ -36,6 +36,12 @@ impl Default for Cgroups {
     }
 }
 
+/// Whether a cgroup file's text is cgroup v2 alone (one `0::` line): then it is the
+/// same for every process of that cgroup id, and may stand for a read.
+pub(crate) fn unified_only(text: &[u8]) -> bool {
+    text.starts_with(b"0::") && text.iter().filter(|&&b| b == b'\n').count() <= 1
+}
+
 impl Cgroups {
     pub(crate) fn get(&self, id: u64) -> Option<Rc<[u8]>> {
         self.by_id.get(&id).cloned()
@@ -58,7 +64,7 @@ impl Cgroups {
     /// A discovered process sampled in cgroup `id`: the text known for it, if it can
     /// stand for reading the process's own file (cgroup v2 alone).
     pub(crate) fn for_discovery(&self, id: u64) -> Option<Rc<[u8]>> {
-        self.get(id).filter(|t| procfs::unified_only(t))
+        self.get(id).filter(|t| unified_only(t))
     }
 
     /// Process `pid` (started at `start_ns`) was sampled in cgroup `id`, another than
@@ -118,7 +124,7 @@ mod tests {
         }
         assert!(g.bytes <= MAX_BYTES && g.len() <= MAX_BYTES / 100);
         assert!(c.cgroup_paths_flushed.get() >= 1);
-        assert!(procfs::unified_only(b"0::/system.slice/x.service\n"));
-        assert!(!procfs::unified_only(b"12:cpu:/a\n0::/a\n"));
+        assert!(unified_only(b"0::/system.slice/x.service\n"));
+        assert!(!unified_only(b"12:cpu:/a\n0::/a\n"));
     }
 }

@@ -249,12 +249,6 @@ pub(crate) fn read_cgroup(pid: u32, start_ns: u64) -> Result<Vec<u8>, ProcError>
     read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)
 }
 
-/// Whether a cgroup file's text is cgroup v2 alone (one `0::` line): then it is the
-/// same for every process of that cgroup id, and may stand for a read.
-pub(crate) fn unified_only(text: &[u8]) -> bool {
-    text.starts_with(b"0::") && text.iter().filter(|&&b| b == b'\n').count() <= 1
-}
-
 /// A directory fd of /proc/<pid>, checked to belong to the process that started at
 /// `start_ns`. Everything opened through it later refers to that very process.
 pub(crate) fn open_verified(pid: u32, start_ns: u64) -> Result<OwnedFd, ProcError> {

@@ -302,7 +302,7 @@ fn labels_follow_a_process_into_another_cgroup_and_hopping_is_bounded() {
     let t0 = Instant::now();
     let mut hops = 0u64;
     while t0.elapsed() < 10 * SECS {
-        let to = if hops % 2 == 0 { &a } else { &b };
+        let to = if hops.is_multiple_of(2) { &a } else { &b };
         if std::fs::write(to.procs(), &pid).is_ok() {
             hops += 1;
         }
