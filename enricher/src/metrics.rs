@@ -143,6 +143,7 @@ metrics! {
     unwind_table_cache_misses: "unwind tables not in the on-disk cache (built from CFI)",
     unwind_table_cache_corrupt: "cached unwind tables that failed their check (removed, built again, never sent)",
     unwind_table_cache_evicted: "cached unwind tables removed to keep the cache within --unwind-cache-size",
+    unwind_table_cache_no_room: "unwind tables not kept on disk: over --unwind-cache-size or a quarter of the disk the profiles leave free",
     unwind_table_cache_write_errors: "unwind tables that could not be written to the on-disk cache",
     unwind_tables_early: "unwind tables built and sent between rounds, from a process's announcement",
     unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",

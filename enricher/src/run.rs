@@ -366,7 +366,7 @@ async fn start(
     }
     let mut enricher = Enricher::new(symbolizer, labeler, metrics.clone());
     if let Some(dir) = s.unwind_cache() {
-        match crate::unwind::cache::Cache::open(&dir, s.unwind_cache_size) {
+        match crate::unwind::cache::Cache::open(&dir, s.unwind_cache_size, s.min_free) {
             Ok(c) => {
                 tracing::info!(path = %dir.display(), tables = c.len(), bytes = c.bytes(), "unwind table cache opened");
                 metrics

@@ -77,6 +77,24 @@ def parse_table_log(text):
     return out
 
 
+def histogram_quantile(metrics, name, q):
+    """The upper bound of the bucket holding quantile q of a Prometheus histogram in
+    parsed metrics (nan without observations; inf past the last bound)."""
+    buckets, prefix = [], name + '_bucket{le="'
+    for k, v in metrics.items():
+        if k.startswith(prefix):
+            le = k[len(prefix):-2]
+            buckets.append((float("inf") if le == "+Inf" else float(le), v))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return float("nan")
+    for le, cum in buckets:
+        if cum >= q * total:
+            return le
+    return float("inf")
+
+
 def parse_prometheus(text):
     """name → value of a Prometheus text exposition (firn's /metrics); a labelled series
     is keyed by its whole name, e.g. `x_total{sink="otlp"}`."""

@@ -383,7 +383,15 @@ def write_report(res, update):
                     f"(peak {r.get('sampler_rss_peak_mib', float('nan')):.1f}); ring buffer events lost "
                     f"{r.get('events_lost', 0):.0f}; processes gone before /proc read "
                     f"{mt.get('firn_sampler_processes_gone', 0):.0f}; enricher peak (VmHWM) "
-                    f"{r.get('enricher_peak_mib', float('nan')):.1f} MiB |")
+                    f"{r.get('enricher_peak_mib', float('nan')):.1f} MiB; first sample to unwind table: median "
+                    f"≤ {r.get('table_ready_median_ms', float('nan')):.0f} ms, 90 % ≤ "
+                    f"{r.get('table_ready_p90_ms', float('nan')):.0f} ms "
+                    f"({mt.get('firn_enricher_unwind_table_ready_seconds_count', 0):.0f} tables; "
+                    f"{mt.get('firn_enricher_unwind_tables_early_total', 0):.0f} sent between rounds); "
+                    f"table cache {mt.get('firn_enricher_unwind_table_cache_hits_total', 0):.0f} hits, "
+                    f"{mt.get('firn_enricher_unwind_table_cache_misses_total', 0):.0f} misses, "
+                    f"{mt.get('firn_enricher_unwind_cache_entries', 0):.0f} entries, "
+                    f"{mt.get('firn_enricher_unwind_cache_bytes', 0) / 2**20:.1f} MiB |")
         for key in ("churn", "many_binaries"):
             if key in s:
                 lines.append(f"\nEnricher RSS (MiB) during {s[key]['label']}, each minute: "

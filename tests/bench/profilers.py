@@ -133,6 +133,7 @@ class Firn:
         if sampler_binary:  # another build of the sampler (sampler_ab.py)
             plan["sampler"][0] = str(sampler_binary)
         self.out = plan["out"]
+        self.prepare(plan)
         self.t0 = time.time()
         env = dict(os.environ, FIRN_LOG="info")
         slog = os.path.join(self.tmp, "sampler.log")
@@ -144,6 +145,9 @@ class Firn:
         wait_for_line(elog, plan["enricher_ready"], self.enricher)
         # Two rounds: connected, the first binaries loaded — the steady state.
         time.sleep(2 * self.rnd + 0.5)
+
+    def prepare(self, plan):
+        """Before the enricher starts, with the plan's user made (for subclasses)."""
 
     def pids(self):
         return [self.sampler.pid, self.enricher.pid]

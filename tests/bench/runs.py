@@ -216,6 +216,23 @@ class ChurnFirn(Firn):
     by comm (from the BPF program, always there) and those whose executable label is
     the executable that comm names: attributed to the right executable."""
 
+    def __init__(self, rnd, cache_dir=None):
+        super().__init__(rnd)
+        self.cache_dir = cache_dir
+
+    def prepare(self, plan):
+        # One unwind table cache for the scale runs, as a node's state folder outlives
+        # restarts: later runs find the tables of the binaries earlier ones met.
+        if self.cache_dir:
+            os.makedirs(self.cache_dir, exist_ok=True)
+            os.chown(self.cache_dir, plan["user"][0], plan["user"][1])
+
+    def start(self, hz, enricher_extra=(), sampler_binary=None):
+        extra = list(enricher_extra)
+        if self.cache_dir:
+            extra += ["--unwind-cache-dir", str(self.cache_dir)]
+        super().start(hz, extra, sampler_binary)
+
     def stop(self, workload_pid=None, settle=True):
         time.sleep(self.rnd + 2)
         self.by_comm = self.attributed = 0
@@ -231,7 +248,7 @@ class ChurnFirn(Firn):
 
 def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
     log(f"scale: {label}: {rate}/s × {ms} ms over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
-    f = ChurnFirn(rnd)
+    f = ChurnFirn(rnd, out / "unwind-cache")
     f.start(hz)
     # The sampler's cost at rest, to take out of its cost under churn.
     s0, t_rest = proc_cpu(f.sampler.pid), time.time()
@@ -267,4 +284,8 @@ def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
             # The first fifth is warm-up (binaries loading); the trend is of the rest.
             "rss_trend_mib_per_min": bl.trend_per_minute(rss[len(rss) // 5:]),
             "rss_max_mib": max((p[1] for p in rss), default=float("nan")), "enricher_peak_mib": epeak,
-            "attributed": f.attributed, "by_comm": f.by_comm, "metrics": res["metrics"]}
+            "attributed": f.attributed, "by_comm": f.by_comm, "metrics": res["metrics"],
+            "table_ready_median_ms": bl.histogram_quantile(
+                res["metrics"], "firn_enricher_unwind_table_ready_seconds", 0.5) * 1000,
+            "table_ready_p90_ms": bl.histogram_quantile(
+                res["metrics"], "firn_enricher_unwind_table_ready_seconds", 0.9) * 1000}

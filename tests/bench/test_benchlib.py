@@ -38,6 +38,14 @@ class Stats(unittest.TestCase):
     def test_med_ignores_nan(self):
         self.assertEqual(b.med([3.0, math.nan, 1.0, 2.0]), (2.0, 1.0, 3.0))
 
+    def test_histogram_quantile(self):
+        m = b.parse_prometheus('h_bucket{le="0.1"} 3\nh_bucket{le="0.25"} 6\n'
+                                'h_bucket{le="+Inf"} 8\nh_count 8\n')
+        self.assertEqual(b.histogram_quantile(m, "h", 0.5), 0.25)
+        self.assertEqual(b.histogram_quantile(m, "h", 0.3), 0.1)
+        self.assertEqual(b.histogram_quantile(m, "h", 0.9), float("inf"))
+        self.assertTrue(math.isnan(b.histogram_quantile({}, "h", 0.5)))
+
     def test_med_of_nothing_is_nan(self):
         self.assertTrue(all(math.isnan(x) for x in b.med([math.nan])))
 

@@ -190,7 +190,8 @@ impl Enricher {
         let bytes = table.bytes();
         if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
             match cache.put(key, &bytes) {
-                Ok(evicted) => Metrics::add(&m.unwind_table_cache_evicted, evicted),
+                Ok(Some(evicted)) => Metrics::add(&m.unwind_table_cache_evicted, evicted),
+                Ok(None) => Metrics::inc(&m.unwind_table_cache_no_room),
                 Err(e) => {
                     Metrics::inc(&m.unwind_table_cache_write_errors);
                     tracing::warn!(error = %e, "keeping an unwind table on disk failed");

@@ -293,7 +293,7 @@ fn tables_kept_on_disk_are_read_back_without_a_build() {
     let mut rows = Vec::new();
     for round in 0..2 {
         let mut e = enricher();
-        e.table_cache = Some(crate::unwind::cache::Cache::open(&dir, 1 << 30).unwrap());
+        e.table_cache = Some(crate::unwind::cache::Cache::open(&dir, 1 << 30, 0).unwrap());
         let link = FakeLink::default();
         run(e.handle(batch(1, addr, true), Some(&link)));
         rows.push(link.loaded_rows.get());

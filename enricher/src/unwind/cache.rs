@@ -3,7 +3,8 @@
 //! by a SHA-256 of its bytes when it has none. Each entry carries a digest of its rows
 //! and is checked when read: a corrupt, truncated or stale entry is removed, counted and
 //! built again, never sent. The sampler checks the rows as strictly whatever their
-//! source. Bounded in bytes; the least recently used entries go first.
+//! source. Bounded in bytes, and to a quarter of the disk the profiles leave free (they
+//! come first); the least recently used entries go first.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -43,6 +44,8 @@ struct Entry {
 pub(crate) struct Cache {
     dir: PathBuf,
     max_bytes: u64,
+    /// Free space the profiles keep on the filesystem (`--min-free`).
+    min_free: u64,
     bytes: u64,
     entries: HashMap<String, Entry>,
 }
@@ -91,7 +94,7 @@ fn check(data: &[u8]) -> Option<&[u8]> {
 impl Cache {
     /// Opens (creating) `dir`, and learns what it holds; over `max_bytes`, the least
     /// recently used entries go now.
-    pub(crate) fn open(dir: &Path, max_bytes: u64) -> Result<Self, CacheError> {
+    pub(crate) fn open(dir: &Path, max_bytes: u64, min_free: u64) -> Result<Self, CacheError> {
         let io = |source| CacheError::Io {
             path: dir.to_path_buf(),
             source,
@@ -100,6 +103,7 @@ impl Cache {
         let mut c = Self {
             dir: dir.to_path_buf(),
             max_bytes,
+            min_free,
             bytes: 0,
             entries: HashMap::new(),
         };
@@ -123,7 +127,8 @@ impl Cache {
                 },
             );
         }
-        c.shrink(0);
+        let bound = c.max_bytes;
+        c.shrink(0, bound);
         Ok(c)
     }
 
@@ -159,14 +164,28 @@ impl Cache {
         }
     }
 
-    /// Keeps `rows` for `key` (written aside, then renamed into place), making room.
-    /// Returns the entries evicted.
-    pub(crate) fn put(&mut self, key: &str, rows: &[u8]) -> Result<u64, CacheError> {
-        let size = (HEADER + rows.len()) as u64;
-        if size > self.max_bytes || !rows.len().is_multiple_of(ROW) {
-            return Ok(0);
+    /// The bound now: `--unwind-cache-size`, and a quarter of what the filesystem has
+    /// beyond the profiles' reserve (counting what the cache holds).
+    fn bound(&self) -> u64 {
+        match nix::sys::statvfs::statvfs(&self.dir) {
+            Ok(st) => {
+                let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+                let usable = (self.bytes + free).saturating_sub(self.min_free);
+                self.max_bytes.min(usable / 4)
+            }
+            Err(_) => self.max_bytes,
         }
-        let evicted = self.shrink(size);
+    }
+
+    /// Keeps `rows` for `key` (written aside, then renamed into place), making room.
+    /// Returns the entries evicted, or `None` when it does not fit the bound at all.
+    pub(crate) fn put(&mut self, key: &str, rows: &[u8]) -> Result<Option<u64>, CacheError> {
+        let size = (HEADER + rows.len()) as u64;
+        let bound = self.bound();
+        if size > bound || !rows.len().is_multiple_of(ROW) {
+            return Ok(None);
+        }
+        let evicted = self.shrink(size, bound);
         let path = self.path(key);
         let tmp = self.dir.join(format!(".tmp-{key}"));
         let io = |source| CacheError::Io {
@@ -196,7 +215,7 @@ impl Cache {
                 used: SystemTime::now(),
             },
         );
-        Ok(evicted)
+        Ok(Some(evicted))
     }
 
     fn remove(&mut self, key: &str) {
@@ -206,10 +225,10 @@ impl Cache {
         }
     }
 
-    /// Evicts the least recently used entries until `room` more bytes fit.
-    fn shrink(&mut self, room: u64) -> u64 {
+    /// Evicts the least recently used entries until `room` more bytes fit in `bound`.
+    fn shrink(&mut self, room: u64, bound: u64) -> u64 {
         let mut evicted = 0;
-        while self.bytes + room > self.max_bytes {
+        while self.bytes + room > bound {
             let Some(oldest) = self
                 .entries
                 .iter()
@@ -245,12 +264,12 @@ mod tests {
     fn entries_come_back_checked_and_a_damaged_one_is_refused() {
         let dir = std::env::temp_dir().join(format!("firn-uwc-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let mut c = Cache::open(&dir, 1 << 20).unwrap();
+        let mut c = Cache::open(&dir, 1 << 20, 0).unwrap();
         c.put("b-01", &rows(100, 3)).unwrap();
         assert!(matches!(c.get("b-01"), Found::Rows(r) if r == rows(100, 3)));
         assert!(matches!(c.get("b-02"), Found::Missing));
         // Reopened: still there. Then one byte flipped, then cut short: refused, gone.
-        let mut c = Cache::open(&dir, 1 << 20).unwrap();
+        let mut c = Cache::open(&dir, 1 << 20, 0).unwrap();
         assert_eq!(c.len(), 1);
         let path = dir.join("b-01.tbl");
         let mut data = std::fs::read(&path).unwrap();
@@ -276,13 +295,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("firn-uwc-lru-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let one = (HEADER + 1000 * ROW) as u64;
-        let mut c = Cache::open(&dir, 3 * one).unwrap();
+        let mut c = Cache::open(&dir, 3 * one, 0).unwrap();
         for k in ["b-1", "b-2", "b-3"] {
             c.put(k, &rows(1000, 5)).unwrap();
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
         assert!(matches!(c.get("b-1"), Found::Rows(_)), "b-1 used again");
-        assert_eq!(c.put("b-4", &rows(1000, 5)).unwrap(), 1);
+        assert_eq!(c.put("b-4", &rows(1000, 5)).unwrap(), Some(1));
         assert!(
             matches!(c.get("b-2"), Found::Missing),
             "least recently used went"
@@ -290,8 +309,11 @@ mod tests {
         assert!(matches!(c.get("b-1"), Found::Rows(_)));
         assert!(c.bytes() <= 3 * one && c.len() == 3);
         // Reopened with a smaller bound: shrinks at once.
-        let c = Cache::open(&dir, one).unwrap();
+        let c = Cache::open(&dir, one, 0).unwrap();
         assert!(c.bytes() <= one && c.len() == 1);
+        // A reserve larger than the disk leaves the cache no room.
+        let mut c = Cache::open(&dir, 3 * one, u64::MAX / 2).unwrap();
+        assert_eq!(c.put("b-5", &rows(10, 5)).unwrap(), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
