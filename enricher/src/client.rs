@@ -42,14 +42,16 @@ pub(crate) enum Event {
     /// A session started; `broker` is absent when its channel could not be opened.
     Connected(SamplerInfo, Option<Rc<Broker>>),
     Batch(Batch),
-    /// Records of processes just seen, ahead of their round's batch.
-    Announce(Vec<batch::Process>),
+    /// Records of processes just seen, ahead of their round's batch, with the sampler
+    /// session they belong to (they may come before `Connected`).
+    Announce(u64, Vec<batch::Process>),
     Disconnected,
 }
 
 struct Sink {
     tx: mpsc::Sender<Event>,
     metrics: Arc<Metrics>,
+    session_id: u64,
 }
 
 impl batch_sink::Server for Sink {
@@ -91,7 +93,7 @@ impl batch_sink::Server for Sink {
             match decoded {
                 Ok(p) => {
                     Metrics::inc(&self.metrics.announcements_received);
-                    let _ = self.tx.send(Event::Announce(p)).await;
+                    let _ = self.tx.send(Event::Announce(self.session_id, p)).await;
                 }
                 Err(e) => {
                     Metrics::inc(&self.metrics.announcements_rejected);
@@ -208,6 +210,7 @@ async fn session(
     let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
         tx: tx.clone(),
         metrics: metrics.clone(),
+        session_id: sampler_info.session_id,
     });
     let mut sub = client.subscribe_request();
     sub.get().set_protocol_version(version);
@@ -224,7 +227,8 @@ async fn session(
             None
         }
     };
-    // Announced before any batch can be handled: batches wait in the channel meanwhile.
+    // Sent before any batch can be handled (batches wait in the channel meanwhile);
+    // announcements may come first, and carry their session.
     let _ = tx.send(Event::Connected(sampler_info, broker)).await;
     let _subscription = subscription;
     match done.await {

@@ -256,7 +256,11 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
     let mut exit = ExitCode::SUCCESS;
     let mut dump = summary::Dump::default();
     loop {
-        let early = pipeline.as_mut().and_then(|p| p.enricher.early_wait());
+        // Armed only with a broker to send tables through (else it would spin).
+        let early = pipeline
+            .as_mut()
+            .filter(|_| session.broker.is_some())
+            .and_then(|p| p.enricher.early_wait());
         let ev = tokio::select! {
             ev = rx.recv() => match ev {
                 Some(ev) => ev,
@@ -291,7 +295,8 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
                 session.dropped = 0;
             }
             Event::Disconnected => session.broker = None,
-            Event::Announce(records) => {
+            Event::Announce(session_id, records) => {
+                p.enricher.set_session(session_id);
                 p.enricher
                     .announced(records, session.broker.as_deref())
                     .await;

@@ -11,13 +11,19 @@ use crate::client::Event;
 #[derive(Default)]
 pub(crate) struct Dump {
     announced: Vec<crate::batch::Process>,
+    /// The sampler session the announced records belong to.
+    session: u64,
 }
 
 impl Dump {
     /// Writes one JSON line per event. A closed stdout is not an error worth reporting.
     pub(crate) fn print(&mut self, ev: Event) {
         let ev = match ev {
-            Event::Announce(p) => {
+            Event::Announce(session, p) => {
+                if session != self.session {
+                    self.announced.clear();
+                    self.session = session;
+                }
                 let ids: Vec<u64> = p.iter().map(|p| p.process_id).collect();
                 let pids: Vec<u32> = p.iter().map(|p| p.pid).collect();
                 self.announced.extend(p);
@@ -27,14 +33,12 @@ impl Dump {
             }
             Event::Batch(mut b) => {
                 let mut p = std::mem::take(&mut self.announced);
+                p.retain(|_| b.session_id == self.session);
                 p.append(&mut b.processes);
                 b.processes = p;
                 Event::Batch(b)
             }
-            Event::Connected(..) | Event::Disconnected => {
-                self.announced.clear();
-                ev
-            }
+            Event::Connected(..) | Event::Disconnected => ev,
         };
         print(&ev);
     }
@@ -59,7 +63,7 @@ fn print(ev: &Event) {
             Ok(s) => format!("{{\"batch\":{s}}}"),
             Err(e) => serde_json::json!({ "error": e.to_string() }).to_string(),
         },
-        Event::Announce(_) => return,
+        Event::Announce(..) => return,
     };
     let _ = writeln!(std::io::stdout().lock(), "{line}");
 }

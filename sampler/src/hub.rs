@@ -20,8 +20,6 @@ use firn_logs::TokenBucket;
 /// symbols this keeps a batch well under the enricher's 128 MiB reader limit. Records
 /// past it wait for the next batch, oldest first.
 pub(crate) const MAX_BATCH_RECORD_BYTES: usize = 32 << 20;
-/// Cgroup ids remembered as sent per subscriber; past it they are sent again.
-const MAX_CGROUPS_SENT: usize = 65_536;
 
 pub(crate) struct Outgoing {
     /// `None`: an announcement, records read between rounds (no samples).
@@ -31,8 +29,6 @@ pub(crate) struct Outgoing {
     /// Python code blobs of batches dropped before this one (each code object's names
     /// are copied once, so they must not be lost with their batch).
     pub(crate) python_code: Vec<Rc<[u8]>>,
-    /// Cgroup paths this subscriber was not sent before (of this batch and dropped ones).
-    pub(crate) cgroups: Vec<(u64, Rc<[u8]>)>,
 }
 
 pub(crate) struct Subscriber {
@@ -54,8 +50,6 @@ pub(crate) struct Subscriber {
     pub(crate) rate: RefCell<TokenBucket>,
     /// Records over a batch's byte bound, to go into the next batch.
     deferred: RefCell<Vec<Issued>>,
-    /// Cgroup ids whose path this subscriber was sent.
-    cgroups_sent: RefCell<std::collections::HashSet<u64>>,
 }
 
 impl Subscriber {
@@ -163,7 +157,6 @@ impl Hub {
             next_ticket: Cell::new(0),
             rate: RefCell::new(TokenBucket::new(BROKER_RATE, BROKER_BURST)),
             deferred: RefCell::new(Vec::new()),
-            cgroups_sent: RefCell::new(std::collections::HashSet::new()),
         });
         self.subs.borrow_mut().push(sub.clone());
         sub
@@ -215,24 +208,12 @@ impl Hub {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
-            let mut known = sub.cgroups_sent.borrow_mut();
-            if known.len() > MAX_CGROUPS_SENT {
-                // Sent again as samples name them: the set stays bounded.
-                known.clear();
-            }
-            let cgroups = round
-                .cgroups
-                .iter()
-                .filter(|(id, _)| known.insert(*id))
-                .cloned()
-                .collect();
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {
                 round: Some(round.clone()),
                 processes,
                 forgotten,
                 python_code: Vec::new(),
-                cgroups,
             });
             bump(&c.batches_queued);
             self.trim(sub, &mut q);
@@ -243,7 +224,7 @@ impl Hub {
     /// Queues the records read since the last call (new processes, between rounds) for
     /// every open subscriber that lacks them, ahead of the round's batch: the subscriber
     /// can send their tables while the round runs. Announcements waiting one behind
-    /// another become one, so the queue holds at most one between two batches.
+    /// another become one while within a batch's record bytes.
     pub(crate) fn announce(&self, fresh: &[Issued]) {
         if fresh.is_empty() {
             return;
@@ -261,27 +242,31 @@ impl Hub {
                 continue;
             }
             let mut q = sub.queue.borrow_mut();
-            let waiting = q.back().filter(|o| o.round.is_none()).map(|o| {
-                o.processes
-                    .iter()
-                    .map(|p| p.record.wire_bytes())
-                    .sum::<usize>()
-            });
-            let room = self.batch_record_bytes.saturating_sub(waiting.unwrap_or(0));
-            let processes = self.fit(sub, new, room);
+            let bytes = |p: &[Issued]| p.iter().map(|p| p.record.wire_bytes()).sum::<usize>();
+            let waiting = q
+                .back()
+                .filter(|o| o.round.is_none())
+                .map(|o| bytes(&o.processes));
+            // Merged into the announcement waiting last while within a batch's bound;
+            // else a new one (records over the bound go to the next batch, as ever).
+            let merge = waiting.is_some_and(|w| w + bytes(&new) <= self.batch_record_bytes);
+            let processes = if merge {
+                new
+            } else {
+                self.fit(sub, new, self.batch_record_bytes)
+            };
             for p in &processes {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
             add(&c.processes_announced, processes.len() as u64);
-            match q.back_mut().filter(|o| o.round.is_none()) {
-                Some(back) => back.processes.extend(processes),
+            match q.back_mut().filter(|o| merge && o.round.is_none()) {
+                Some(back) => carry(processes, &mut back.processes),
                 None => q.push_back(Outgoing {
                     round: None,
                     processes,
                     forgotten: Vec::new(),
                     python_code: Vec::new(),
-                    cgroups: Vec::new(),
                 }),
             }
             self.trim(sub, &mut q);
@@ -315,9 +300,6 @@ impl Hub {
                 break;
             };
             next.forgotten.extend(old.forgotten);
-            let mut cgroups = old.cgroups;
-            cgroups.retain(|(id, _)| !next.cgroups.iter().any(|c| c.0 == *id));
-            next.cgroups.extend(cgroups);
             // Within the batch's bound with the next round's own blobs; past it the
             // oldest go (counted; their frames stay unnamed).
             let own = next.round.as_ref().map_or(0, |r| r.python_code.len());

@@ -251,6 +251,8 @@ impl Rounds {
         if let Some(online) = online {
             self.check_cpus(maps.cpus(), online, c)?;
         }
+        // Cgroup reads the rate bound held back, before the round names their ids.
+        self.table.cgroups.retry(c);
         let data = assemble::assemble(drained, kallsyms, &mut self.table, self.round, span, c);
         let forgotten = self.table.sweep(self.round, c);
         maps.forget_announced(&self.table.take_unseen());

@@ -88,8 +88,8 @@ pub(crate) fn fill_batch(
     for (i, blob) in carried_code.iter().chain(&round.python_code).enumerate() {
         code.set(len32(i), blob);
     }
-    let mut cg = b.reborrow().init_cgroups(len32(out.cgroups.len()));
-    for (i, (id, path)) in out.cgroups.iter().enumerate() {
+    let mut cg = b.reborrow().init_cgroups(len32(round.cgroups.len()));
+    for (i, (id, path)) in round.cgroups.iter().enumerate() {
         let mut w = cg.reborrow().get(len32(i));
         w.set_id(*id);
         w.set_path(path);

@@ -178,14 +178,14 @@ struct Batch {
   # 4 zero bytes; then the qualname, the file name and the line table bytes. Each is at
   # most pythonCodeMaxBytes; untrusted content from the profiled process.
   cgroups @13 :List(Cgroup);
-  # The path of each cgroup id this batch's samples name that this subscriber was not
-  # sent before (and whose path the sampler knows): /proc/<pid>/cgroup of a process
-  # sampled in it, read when it was first seen there.
+  # The path of each cgroup id this batch's samples name, where the sampler knows it:
+  # the `0::` line of /proc/<pid>/cgroup of a process sampled in it, read when it was
+  # first seen there (the v1 lines of a hybrid host are the process record's own).
 }
 
 struct Cgroup {
   id @0 :UInt64;                 # the kernel's cgroup v2 id (a cgroupfs inode number)
-  path @1 :Data;                 # /proc/<pid>/cgroup as read, bounded
+  path @1 :Data;                 # the `0::/…` line, newline included, bounded
 }
 
 const pythonCodeMaxBytes :UInt32 = 3992;
@@ -257,7 +257,7 @@ struct Sample {
   kernelStack @8 :StackStatus;
   userStackEnd @9 :UnwindEnd;
   cgroupId @10 :UInt64;
-  # The cgroup v2 id the sample was taken in (0: unknown): its path is in Batch.cgroups
-  # of this batch or an earlier one. A process that moves keeps its record, and its
-  # samples from then on name the new cgroup.
+  # The cgroup v2 id the sample was taken in (0: unknown): its path, if known, is in
+  # this batch's cgroups. A process that moves keeps its record, and its samples from
+  # then on name the new cgroup.
 }

@@ -138,9 +138,21 @@ fn tables_come_from_the_disk_cache_after_a_restart_and_a_damaged_one_is_built_ag
     let mut f = Firn::start("uwcache", &["--frequency", "99", "--round", "1"]);
     let id = fresh_build_id(7);
     let chain = compile_fresh("chain.c", f.dir.path(), &id);
-    let entry = f.out.join(".unwind-cache").join(format!("b-{id}.tbl"));
+    // Its entry: the build id, then the digest of what the table is built from.
+    let cache = f.out.join(".unwind-cache");
+    let find = || {
+        std::fs::read_dir(&cache)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("b-{id}-")))
+            })
+    };
     let mut c = start_workload(&chain, &["300"]);
-    wait_until("the chain's table on disk", || entry.exists());
+    wait_until("the chain's table on disk", || find().is_some());
+    let entry = find().unwrap();
     let good = std::fs::read(&entry).unwrap();
     assert!(
         f.metric("firn_enricher_unwind_table_cache_misses_total")

@@ -288,8 +288,10 @@ fn labels_follow_a_process_into_another_cgroup_and_hopping_is_bounded() {
     assert!(f.metric("firn_sampler_cgroup_moves").unwrap_or(0.0) >= 1.0);
     drop(moved);
 
-    // A process hopping between two cgroups a thousand times a second: two reads in
-    // all, the sampler's CPU and memory bounded.
+    // A process hopping between two cgroups a thousand times a second: reads within
+    // their rate bound (a read that finds the process already moved on is refused by
+    // the cgroup filesystem's inode and done again), the sampler's CPU and memory
+    // bounded.
     let a = Cgroup::create("system.slice/firn-test-hop-a.service");
     let b = Cgroup::create("system.slice/firn-test-hop-b.service");
     let mut busy = start_workload(&workload("busy"), &["12"]);
@@ -320,7 +322,10 @@ fn labels_follow_a_process_into_another_cgroup_and_hopping_is_bounded() {
          {moves} moves seen, VmHWM {hwm} KiB"
     );
     assert!(hops as f64 / secs >= 500.0, "the hopper was too slow");
-    assert!(reads <= 4.0, "{reads} reads for two cgroups");
+    assert!(
+        reads <= 50.0 * (secs + 6.0) + 100.0,
+        "{reads} reads: over the rate bound"
+    );
     assert!(moves >= 100.0, "BPF saw few moves: {moves}");
     assert!(cpu < 20.0, "sampler at {cpu:.2} ms/s while hopping");
     assert!(hwm <= 24 * 1024, "sampler peak RSS {hwm} KiB");

@@ -4,7 +4,7 @@
 //! lives a few seconds then has whole stacks in its first round, whatever the round
 //! length.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::{dev_of, Enricher, SamplerLink};
@@ -28,6 +28,8 @@ struct Want {
 /// The queue of files waiting for their table, and the budget it is worked off with.
 pub(crate) struct Early {
     queue: VecDeque<Want>,
+    /// The files in `queue`.
+    queued: HashSet<(u64, u64)>,
     /// Seconds of work that may be spent now (negative: owed).
     tokens: f64,
     last: Instant,
@@ -39,6 +41,7 @@ impl Default for Early {
     fn default() -> Self {
         Self {
             queue: VecDeque::new(),
+            queued: HashSet::new(),
             tokens: BURST,
             last: Instant::now(),
             waiting_since: HashMap::new(),
@@ -118,11 +121,14 @@ impl Enricher {
                         let since = self.early.waiting_since.entry(file).or_insert(first);
                         *since = (*since).min(first);
                     }
-                    if self.early.queue.iter().any(|w| w.file == file) {
+                    if !self.early.queued.insert(file) {
                         continue;
                     }
                     if self.early.queue.len() >= MAX_WAITING {
-                        self.early.queue.pop_front();
+                        if let Some(w) = self.early.queue.pop_front() {
+                            self.early.queued.remove(&w.file);
+                            self.early.waiting_since.remove(&w.file);
+                        }
                         Metrics::inc(&self.metrics.unwind_tables_early_overflow);
                     }
                     self.early.queue.push_back(Want {
@@ -150,20 +156,22 @@ impl Enricher {
             let Some(w) = self.early.queue.pop_front() else {
                 break;
             };
-            if !link.tables().borrow().wants(w.file, round) {
-                continue;
-            }
-            // The process may have gone, or its mappings been read again since.
-            let Some(e) = self.processes.get(w.process_id) else {
+            self.early.queued.remove(&w.file);
+            // Sent since (by its round), or the process gone or its mappings read again:
+            // what happens to the file's table is no longer this queue's to time.
+            let Some((version, path)) = self
+                .processes
+                .get(w.process_id)
+                .and_then(|e| {
+                    let m = e.record.mappings.get(w.index)?;
+                    ((dev_of(m), m.inode) == w.file)
+                        .then(|| (e.record.mappings_version, m.path.clone()))
+                })
+                .filter(|_| link.tables().borrow().wants(w.file, round))
+            else {
+                self.early.forget(w.file);
                 continue;
             };
-            let Some(m) = e.record.mappings.get(w.index) else {
-                continue;
-            };
-            if (dev_of(m), m.inode) != w.file {
-                continue;
-            }
-            let (version, path) = (e.record.mappings_version, m.path.clone());
             let state = self
                 .send_table(
                     link,
@@ -174,7 +182,9 @@ impl Enricher {
                 .await;
             link.tables().borrow_mut().set(w.file, state);
             self.note_table(w.file, state);
-            Metrics::inc(&self.metrics.unwind_tables_early);
+            if state == crate::unwind::State::Loaded {
+                Metrics::inc(&self.metrics.unwind_tables_early);
+            }
             let spent = now.elapsed().as_secs_f64();
             self.early.tokens -= spent;
             served.push(w.process_id);
@@ -192,8 +202,8 @@ impl Enricher {
                     self.metrics.unwind_table_ready.observe_ms(ms);
                 }
             }
-            crate::unwind::State::Given => self.early.forget(file),
-            crate::unwind::State::Retry(_) => {}
+            // Tried again by a later round, if at all: not timed.
+            crate::unwind::State::Given | crate::unwind::State::Retry(_) => self.early.forget(file),
         }
     }
 }

@@ -23,9 +23,6 @@ use crate::model::Round;
 use crate::processes::ProcessTable;
 use crate::symbolize::Symbolizer;
 
-/// Cgroup paths kept at most (the sampler sends each once; past it, a sample whose
-/// path is gone is labelled by its process's record).
-const MAX_CGROUPS: usize = 65_536;
 /// Broker requests at most per round, so a burst of new binaries cannot stall a round.
 const MAX_OPENS_PER_ROUND: usize = 256;
 /// Rounds before a binary the broker refused is asked for again.
@@ -110,7 +107,7 @@ pub struct Enricher {
     round: u64,
     /// Files of announced processes waiting for their tables.
     early: early::Early,
-    /// Cgroup id → path, as the sampler sent them this session.
+    /// Cgroup id → path (its `0::` line) of this round's samples.
     pub(crate) cgroups: std::collections::HashMap<u64, String>,
     /// Process id → its main thread's comm, where it changed since the record was read.
     pub(crate) main_comms: std::collections::HashMap<u64, String>,
@@ -195,10 +192,8 @@ impl Enricher {
     fn take_records(&mut self, batch: &Batch) {
         self.set_session(batch.session_id);
         self.round = batch.round;
-        if self.cgroups.len() + batch.cgroups.len() > MAX_CGROUPS {
-            self.cgroups.clear();
-        }
-        self.cgroups.extend(batch.cgroups.iter().cloned());
+        // Each batch names the paths of its own samples' cgroups: nothing to keep.
+        self.cgroups = batch.cgroups.iter().cloned().collect();
         self.processes.update(batch.processes.clone(), batch.round);
         for s in &batch.samples {
             self.processes.touch(s.process_id, batch.round, s.count);

@@ -160,7 +160,8 @@ impl Enricher {
             let path = self
                 .cgroups
                 .get(&s.cgroup_id)
-                .filter(|p| **p != e.record.cgroup);
+                .and_then(|line| with_unified_line(&e.record.cgroup, line))
+                .filter(|p| *p != e.record.cgroup);
             let comm = self.main_comms.get(&s.process_id);
             if path.is_none() && comm.is_none() {
                 return None;
@@ -168,7 +169,7 @@ impl Enricher {
             let mut r = (*e.record).clone();
             if let Some(path) = path {
                 Metrics::inc(&self.metrics.samples_in_moved_cgroups);
-                r.cgroup = path.clone();
+                r.cgroup = path;
             }
             if let Some(comm) = comm {
                 r.comm = comm.clone();
@@ -298,5 +299,42 @@ fn sym_offset(addr: u64, m: &crate::batch::Mapping, i: usize) -> u64 {
         off.saturating_sub(1)
     } else {
         off
+    }
+}
+
+/// A process's cgroup file `text` with its cgroup v2 line (`0::…`) replaced by `line`
+/// (the sampler sends that line alone: v1 lines differ between processes of one v2
+/// cgroup). `None` for a text with no v2 line (a v1-only host) that is not empty.
+fn with_unified_line(text: &str, line: &str) -> Option<String> {
+    if text.is_empty() {
+        return Some(line.to_string());
+    }
+    let mut found = false;
+    let out: Vec<&str> = text
+        .split_inclusive('\n')
+        .map(|l| {
+            if l.starts_with("0::") {
+                found = true;
+                line
+            } else {
+                l
+            }
+        })
+        .collect();
+    found.then(|| out.concat())
+}
+
+#[cfg(test)]
+mod cgroup_line_tests {
+    #[test]
+    fn the_v2_line_is_replaced_and_the_v1_lines_kept() {
+        use super::with_unified_line as w;
+        assert_eq!(
+            w("12:cpu:/a\n0::/old\n", "0::/new\n").as_deref(),
+            Some("12:cpu:/a\n0::/new\n")
+        );
+        assert_eq!(w("0::/old\n", "0::/new\n").as_deref(), Some("0::/new\n"));
+        assert_eq!(w("", "0::/new\n").as_deref(), Some("0::/new\n"));
+        assert_eq!(w("1:name=systemd:/\n", "0::/new\n"), None);
     }
 }

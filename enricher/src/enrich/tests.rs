@@ -334,10 +334,11 @@ fn samples_after_a_move_carry_the_new_cgroups_labels() {
         "the sample before the move keeps the old labels: {units:?}"
     );
     assert!(units.contains(&Some("moved.service".into())), "{units:?}");
-    // Later rounds know the path without its being sent again; a main thread that
-    // renamed itself names its process from then on.
+    // Each batch names its samples' paths; a main thread that renamed itself names its
+    // process from then on.
     let mut b = batch(2, addr, false);
     b.samples[0].cgroup_id = 9;
+    b.cgroups = vec![(9, "0::/system.slice/moved.service\n".into())];
     b.samples[0].comm = "renamed".into();
     let r = e.handle_offline(b);
     assert_eq!(unit(&r, 0).as_deref(), Some("moved.service"));

@@ -64,8 +64,8 @@ pub(crate) struct Extra<'a> {
     pub(crate) executable_stripped: Option<bool>,
 }
 
-/// (process id, cgroup id of the samples, hash of its comm, mapping version,
-/// executable's binary known).
+/// (process id, cgroup id of the samples, hash of the comm and cgroup text labelled,
+/// mapping version, executable's binary known).
 type CacheKey = (u64, u64, u64, u32, bool);
 
 pub struct Labeler {
@@ -150,7 +150,7 @@ impl Labeler {
         let comm = p.map(|p| {
             use std::hash::{Hash, Hasher};
             let mut h = std::collections::hash_map::DefaultHasher::new();
-            p.comm.hash(&mut h);
+            (&p.comm, &p.cgroup).hash(&mut h);
             h.finish()
         });
         let key = (

@@ -1,6 +1,9 @@
 //! Unwind tables kept on disk between runs, so that a restart, or a binary that ran
-//! before, costs a file read instead of a CFI parse. Keyed by the binary's build id, or
-//! by a SHA-256 of its bytes when it has none. Each entry carries a digest of its rows
+//! before, costs a file read instead of a CFI parse. Keyed by the binary's build id and
+//! a SHA-256 of what the table is built from (the program headers and the CFI
+//! sections, with firn's version): a build id is whatever its builder wrote, so a
+//! crafted binary that borrows libc's gets an entry of its own, not libc's. Each entry
+//! carries a digest of its rows
 //! and is checked when read: a corrupt, truncated or stale entry is removed, counted and
 //! built again, never sent. The sampler checks the rows as strictly whatever their
 //! source. Bounded in bytes, and to a quarter of the disk the profiles leave free (they
@@ -50,22 +53,49 @@ pub(crate) struct Cache {
     entries: HashMap<String, Entry>,
 }
 
-/// The cache key of a binary's bytes: `b-<build id>` or `h-<sha256>`.
+/// The cache key of a binary's bytes: `b-<build id>-<digest>` (`h-<digest>` without a
+/// build id), the digest a SHA-256 of firn's version, the ELF header and program headers
+/// and the CFI sections (`.eh_frame`, `.eh_frame_hdr`, `.debug_frame`): everything the
+/// table is built from. A file that does not parse is digested whole.
 pub(crate) fn key_of(map: &[u8]) -> String {
-    use object::Object;
-    let id = crate::symbolize::contained(|| {
-        object::File::parse(map)
-            .ok()
-            .and_then(|f| f.build_id().ok().flatten().map(<[u8]>::to_vec))
+    use object::{Object, ObjectSection};
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    ctx.update(env!("CARGO_PKG_VERSION").as_bytes());
+    ctx.update(&FORMAT.to_le_bytes());
+    let parsed = crate::symbolize::contained(|| {
+        let f = object::File::parse(map).ok()?;
+        // The ELF header and program headers: the segments place the rows' offsets.
+        let phdrs = match &f {
+            object::File::Elf64(e) => {
+                let (h, en) = (e.elf_header(), e.endian());
+                let off = usize::try_from(h.e_phoff.get(en)).ok()?;
+                let len = usize::from(h.e_phnum.get(en)) * usize::from(h.e_phentsize.get(en));
+                map.get(..off.checked_add(len)?)?
+            }
+            _ => map.get(..64)?,
+        };
+        let mut parts = vec![phdrs];
+        for name in [".eh_frame", ".eh_frame_hdr", ".debug_frame"] {
+            if let Some(data) = f.section_by_name(name).and_then(|s| s.data().ok()) {
+                parts.push(data);
+            }
+        }
+        let id = f.build_id().ok().flatten().map(<[u8]>::to_vec);
+        Some((parts, id))
     })
-    .flatten()
-    .filter(|id| !id.is_empty());
-    match id {
-        Some(id) => format!("b-{}", hex(&id)),
-        None => format!(
-            "h-{}",
-            hex(ring::digest::digest(&ring::digest::SHA256, map).as_ref())
-        ),
+    .flatten();
+    let Some((parts, id)) = parsed else {
+        ctx.update(map);
+        return format!("h-{}", hex(ctx.finish().as_ref()));
+    };
+    for p in parts {
+        ctx.update(&(p.len() as u64).to_le_bytes());
+        ctx.update(p);
+    }
+    let digest = hex(ctx.finish().as_ref());
+    match id.filter(|id| !id.is_empty()) {
+        Some(id) => format!("b-{}-{digest}", hex(&id)),
+        None => format!("h-{digest}"),
     }
 }
 
@@ -127,7 +157,7 @@ impl Cache {
                 },
             );
         }
-        let bound = c.max_bytes;
+        let bound = c.bound();
         c.shrink(0, bound);
         Ok(c)
     }
@@ -185,6 +215,11 @@ impl Cache {
         if size > bound || !rows.len().is_multiple_of(ROW) {
             return Ok(None);
         }
+        // An entry of this key (rewritten) leaves the count, not the disk: the new file
+        // takes its place.
+        if let Some(old) = self.entries.remove(key) {
+            self.bytes = self.bytes.saturating_sub(old.bytes);
+        }
         let evicted = self.shrink(size, bound);
         let path = self.path(key);
         let tmp = self.dir.join(format!(".tmp-{key}"));
@@ -206,7 +241,6 @@ impl Cache {
             let _ = std::fs::remove_file(&tmp);
             return Err(io(e));
         }
-        self.remove(key);
         self.bytes += size;
         self.entries.insert(
             key.to_string(),
@@ -321,8 +355,25 @@ mod tests {
     fn keys_are_build_ids_or_content_hashes() {
         let me = std::fs::read("/proc/self/exe").unwrap();
         let k = key_of(&me);
-        assert!(k.starts_with("b-") && k.len() > 10, "{k}");
+        assert!(k.starts_with("b-") && k.len() > 80, "{k}");
         assert!(key_of(b"not an elf").starts_with("h-"));
         assert_ne!(key_of(b"a"), key_of(b"b"));
+        // One build id, other CFI: another key.
+        use object::{Object, ObjectSection};
+        let f = object::File::parse(&*me).unwrap();
+        let (at, _) = f
+            .section_by_name(".eh_frame")
+            .unwrap()
+            .file_range()
+            .unwrap();
+        let mut other = me.clone();
+        other[at as usize + 40] ^= 1;
+        let k2 = key_of(&other);
+        assert_ne!(k, k2);
+        assert_eq!(
+            k.split('-').nth(1),
+            k2.split('-').nth(1),
+            "the same build id"
+        );
     }
 }
