@@ -29,7 +29,14 @@ pub(crate) struct Outgoing {
     /// Python code blobs of batches dropped before this one (each code object's names
     /// are copied once, so they must not be lost with their batch).
     pub(crate) python_code: Vec<Rc<[u8]>>,
+    /// When it was queued (an announcement waits a moment for others to join it).
+    pub(crate) queued_at: std::time::Instant,
 }
+
+/// How long an announcement alone in the queue waits for more records to join it: a
+/// burst of new processes (a build, a fork storm) then costs one message, not one each,
+/// for a few ms more before their tables.
+const ANNOUNCE_GATHER: std::time::Duration = std::time::Duration::from_millis(20);
 
 pub(crate) struct Subscriber {
     pub(crate) id: u64,
@@ -71,11 +78,24 @@ impl Subscriber {
         }
     }
 
-    /// Waits for the next batch; `None` once the subscriber is closed.
+    /// Waits for the next batch or announcement; `None` once the subscriber is closed.
     pub(crate) async fn next(&self) -> Option<Outgoing> {
         loop {
             if self.closed.get() {
                 return None;
+            }
+            let young = {
+                let q = self.queue.borrow();
+                match q.front() {
+                    Some(o) if o.round.is_none() && q.len() == 1 => {
+                        ANNOUNCE_GATHER.checked_sub(o.queued_at.elapsed())
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(wait) = young.filter(|w| !w.is_zero()) {
+                tokio::time::sleep(wait).await;
+                continue;
             }
             if let Some(b) = self.queue.borrow_mut().pop_front() {
                 return Some(b);
@@ -214,6 +234,7 @@ impl Hub {
                 processes,
                 forgotten,
                 python_code: Vec::new(),
+                queued_at: std::time::Instant::now(),
             });
             bump(&c.batches_queued);
             self.trim(sub, &mut q);
@@ -267,6 +288,7 @@ impl Hub {
                     processes,
                     forgotten: Vec::new(),
                     python_code: Vec::new(),
+                    queued_at: std::time::Instant::now(),
                 }),
             }
             self.trim(sub, &mut q);

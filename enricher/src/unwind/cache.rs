@@ -199,7 +199,7 @@ impl Cache {
     fn bound(&self) -> u64 {
         match nix::sys::statvfs::statvfs(&self.dir) {
             Ok(st) => {
-                let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+                let free = st.blocks_available().saturating_mul(st.fragment_size());
                 let usable = (self.bytes + free).saturating_sub(self.min_free);
                 self.max_bytes.min(usable / 4)
             }

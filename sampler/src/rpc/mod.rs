@@ -121,16 +121,16 @@ impl Conn {
 pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Client) {
     let c = &shared.counters;
     while let Some(out) = sub.next().await {
-        let counters = c.list();
-        let meta = BatchMeta {
-            session_id: shared.identity.session_id,
-            frequency_hz: shared.identity.frequency_hz,
-            dropped_batches: sub.dropped.get(),
-            tables_evicted: c.unwind_tables_evicted.get(),
-            counters: &counters,
-        };
         let (sent, res) = match &out.round {
             Some(round) => {
+                let counters = c.list();
+                let meta = BatchMeta {
+                    session_id: shared.identity.session_id,
+                    frequency_hz: shared.identity.frequency_hz,
+                    dropped_batches: sub.dropped.get(),
+                    tables_evicted: c.unwind_tables_evicted.get(),
+                    counters: &counters,
+                };
                 let mut req = sink.push_request();
                 wire::fill_batch(req.get().init_batch(), round, &out, &meta);
                 drop(out);
