@@ -1,0 +1,56 @@
+"""One churn storm against the current build, for the sampler's and the enricher's cost per
+new process and where it goes: `python3 tests/bench/churn_profile.py [seconds]` (root;
+`firn_bench.py` builds the workloads first). With PERF=1, perf records both halves with
+DWARF call graphs into target/churn-{sampler,enricher}.perf (it adds its own cost)."""
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from profilers import proc_cpu  # noqa: E402
+from runs import ChurnFirn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+W = ROOT / "target" / "workloads"
+
+
+def main():
+    secs = int(sys.argv[1]) if len(sys.argv) > 1 else 60
+    f = ChurnFirn(10, W / "unwind-cache-profile")
+    f.start(99)
+    time.sleep(15)  # past the start-up wave of tables
+    s0, e0 = proc_cpu(f.sampler.pid), proc_cpu(f.enricher.pid)
+    time.sleep(10)
+    rest_s, rest_e = (proc_cpu(f.sampler.pid) - s0) / 10, (proc_cpu(f.enricher.pid) - e0) / 10
+    m0 = f.metrics()
+    perfs = []
+    if os.environ.get("PERF") == "1":
+        for name, pid in (("sampler", f.sampler.pid), ("enricher", f.enricher.pid)):
+            perfs.append(subprocess.Popen(
+                ["perf", "record", "-F", "2999", "--call-graph", "dwarf,16384",
+                 "-o", str(ROOT / "target" / f"churn-{name}.perf"), "-p", str(pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    s0, e0, t0 = proc_cpu(f.sampler.pid), proc_cpu(f.enricher.pid), time.time()
+    subprocess.run([str(W / "churn"), str(secs), "50", str(W / "churn-child")], stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, CHURN_MS="20"), check=True)
+    el = time.time() - t0
+    s, e = (proc_cpu(f.sampler.pid) - s0) / el, (proc_cpu(f.enricher.pid) - e0) / el
+    for p in perfs:
+        p.send_signal(2)
+        p.wait()
+    m1 = f.metrics()
+    d = {k: m1.get(k, 0) - m0.get(k, 0) for k in m1}
+    new = d.get("firn_sampler_events_new", 0) or float("nan")
+    print(f"at rest: sampler {rest_s * 1000:.2f}, enricher {rest_e * 1000:.2f} ms/s; churn 50/s for {el:.0f} s: "
+          f"sampler {s * 1000:.2f}, enricher {e * 1000:.2f} ms/s; {new:.0f} new processes; per new process: "
+          f"sampler {(s - rest_s) * el / new * 1e6:.0f} µs, enricher {(e - rest_e) * el / new * 1e6:.0f} µs; "
+          f"/proc read {d.get('firn_sampler_process_read_ns', 0) / max(1, d.get('firn_sampler_processes_read', 0)) / 1000:.0f} "
+          f"µs wall each; {d.get('firn_sampler_announcements_sent', 0):.0f} announcements for "
+          f"{d.get('firn_sampler_processes_announced', 0):.0f} records")
+    f.stop()
+
+
+if __name__ == "__main__":
+    main()
