@@ -84,21 +84,28 @@ pub fn go_workload(name: &str) -> PathBuf {
     let out = repo_root().join("target/workloads").join(name);
     if !out.exists() {
         std::fs::create_dir_all(out.parent().unwrap()).unwrap();
-        let status = Command::new("go")
-            .args(["build", "-o"])
-            .arg(&out)
-            .arg(".")
-            .current_dir(&src)
-            .env("GOCACHE", repo_root().join("target/go-cache"))
-            .env("GOPATH", repo_root().join("target/go-path"))
-            .env("HOME", repo_root().join("target"))
-            .env("GOFLAGS", "-mod=mod")
-            .env("GOPROXY", "off")
-            .status()
-            .expect("go (apt-get install golang-go)");
-        assert!(status.success(), "go build {name}");
+        go_build(&src, &[], &out);
     }
     out
+}
+
+/// `go build` of the module in `src` into `out`, offline, with the tests' build cache.
+fn go_build(src: &Path, flags: &[&str], out: &Path) {
+    let status = Command::new("go")
+        .arg("build")
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .arg(".")
+        .current_dir(src)
+        .env("GOCACHE", repo_root().join("target/go-cache"))
+        .env("GOPATH", repo_root().join("target/go-path"))
+        .env("HOME", repo_root().join("target"))
+        .env("GOFLAGS", "-mod=mod")
+        .env("GOPROXY", "off")
+        .status()
+        .expect("go (apt-get install golang-go)");
+    assert!(status.success(), "go build {}", src.display());
 }
 
 /// Compiles a C/C++ source with clang (frame pointers), with extra flags, once.
@@ -174,18 +181,7 @@ pub fn compile_fresh(src: &str, dir: &Path, id: &str) -> PathBuf {
 /// packages come from the shared build cache: only the link runs).
 pub fn go_workload_fresh(name: &str, dir: &Path, id: &str) -> PathBuf {
     let out = dir.join(format!("{name}-{id}"));
-    let status = Command::new("go")
-        .args(["build", &format!("-ldflags=-B 0x{id}"), "-o"])
-        .arg(&out)
-        .arg(".")
-        .current_dir(repo_root().join("tests/workloads").join(name))
-        .env("GOCACHE", repo_root().join("target/go-cache"))
-        .env("GOPATH", repo_root().join("target/go-path"))
-        .env("HOME", repo_root().join("target"))
-        .env("GOFLAGS", "-mod=mod")
-        .env("GOPROXY", "off")
-        .status()
-        .expect("go (apt-get install golang-go)");
-    assert!(status.success(), "go build {name}");
+    let src = repo_root().join("tests/workloads").join(name);
+    go_build(&src, &[&format!("-ldflags=-B 0x{id}")], &out);
     out
 }

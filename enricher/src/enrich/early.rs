@@ -140,6 +140,9 @@ impl Enricher {
             }
         }
         self.early_work(link).await;
+        // A new process of an interpreter whose file is analysed already (its table
+        // sent for an earlier process) gets its record now too, not at the round's end.
+        self.send_interpreters_of(&ids, link).await;
     }
 
     /// Builds and sends queued tables while the budget lasts; the interpreter records of

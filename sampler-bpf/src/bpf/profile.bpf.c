@@ -241,9 +241,9 @@ int firn_sample(struct bpf_perf_event_data *ctx)
 		if (emit(FIRN_EV_NEW, &pid, key.cgroup_id) == 0)
 			bpf_map_update_elem(&seen, &pid, &key.cgroup_id, BPF_ANY);
 	} else if (*was != key.cgroup_id) {
-		/* Moved since its last sample: the sampler reads the new cgroup's path (once
-		 * per cgroup id; a process that hops back and forth costs no more reads). One
-		 * event per sample at most, so per process at most the sampling rate. */
+		/* Moved since its last sample: the sampler reads the new cgroup's path if it
+		 * has none for this id (within its rate bound). Not urgent: it wakes nobody.
+		 * One event per sample at most, so per process at most the sampling rate. */
 		if (emit(FIRN_EV_CGROUP, &pid, key.cgroup_id) == 0)
 			*was = key.cgroup_id;
 	}
