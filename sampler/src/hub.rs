@@ -35,8 +35,8 @@ pub(crate) struct Outgoing {
 
 /// How long an announcement alone in the queue waits for more records to join it: a
 /// burst of new processes (a build, a fork storm) then costs one message, not one each,
-/// for a few ms more before their tables.
-const ANNOUNCE_GATHER: std::time::Duration = std::time::Duration::from_millis(20);
+/// for 5 ms more before their tables.
+const ANNOUNCE_GATHER: std::time::Duration = std::time::Duration::from_millis(5);
 
 pub(crate) struct Subscriber {
     pub(crate) id: u64,

@@ -83,14 +83,14 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
     let mut c8 = start_workload(&chain8, &["8"]);
     let mut g = start_workload(&go, &["8"]);
     let mut py = start_script(std::path::Path::new("/usr/bin/python3"), &script, "8");
-    // The short one alone, once the others' tables are in: its own table is the wait,
-    // not the queue behind three others (on 2 CPUs it gets ~70 samples in its life).
-    std::thread::sleep(Duration::from_millis(700));
-    let mut c2 = start_workload(&chain2, &["2"]);
-    let pids = [c8.pid(), g.pid(), c2.pid(), py.pid()];
-    for w in [&mut c8, &mut g, &mut c2, &mut py] {
+    for w in [&mut c8, &mut g, &mut py] {
         assert!(w.wait_exit(30 * SECS).is_some(), "workload did not end");
     }
+    // The short one alone afterwards (a binary no run has seen either): with the CPUs
+    // to itself it has ~200 samples in its life, not ~70 beside three others.
+    let mut c2 = start_workload(&chain2, &["2"]);
+    assert!(c2.wait_exit(30 * SECS).is_some(), "workload did not end");
+    let pids = [c8.pid(), g.pid(), c2.pid(), py.pid()];
     wait_round_after(&f.out, now_ns());
 
     let any = |_: &[String]| true;
@@ -99,7 +99,7 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
         has_chain(fr, &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"])
             || !fr.iter().any(|x| x == "chain_leaf")
     };
-    for (name, pid, min) in [("8 s", pids[0], 300), ("2 s", pids[2], 60)] {
+    for (name, pid, min) in [("8 s", pids[0], 150), ("2 s", pids[2], 100)] {
         let (s, n, rounds) = whole_share(&f, pid, any, |fr| to_main(fr) && chain(fr));
         eprintln!(
             "gcc -O2 chain living {name}: {:.1} % of {n} samples whole to main; rounds {rounds:?}",
@@ -115,7 +115,7 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
         "Go frameless leaf with its callers: {:.1} % of {n}; rounds {rounds:?}",
         s * 100.0
     );
-    assert!(n >= 300 && s >= 0.95, "Go {s:.3} of {n}");
+    assert!(n >= 150 && s >= 0.95, "Go {s:.3} of {n}");
     let mut files = f.profiles_of(pids[3]);
     files.sort();
     let t = line_traces(&files);
@@ -135,7 +135,7 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
         s * 100.0,
         s1 * 100.0
     );
-    assert!(n >= 300 && s >= 0.90, "python3 {s:.3} of {n}");
+    assert!(n >= 150 && s >= 0.90, "python3 {s:.3} of {n}");
 
     // From a binary's first sample to its table in the sampler, on /metrics.
     let m = |k: &str| f.metric(k).unwrap_or(0.0);

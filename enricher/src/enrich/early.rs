@@ -11,11 +11,16 @@ use super::{dev_of, Enricher, SamplerLink};
 use crate::batch::Process;
 use crate::metrics::Metrics;
 
-/// Table work between rounds per second at most (building and sending): a burst of new
-/// binaries is spread out instead of stalling the rounds, which wait meanwhile.
+/// Table work between rounds per second at most (building and sending, the sampler's
+/// row writes included), for small and for large files each: a burst of new binaries
+/// is spread out instead of stalling the rounds, which wait meanwhile, and a burst of
+/// big ones (a build's compilers, `libLLVM`) does not hold up a small new program.
 const RATE: f64 = 0.25;
 /// Work that may be done at once after a quiet while.
 const BURST: f64 = 1.0;
+/// Mappings up to this size are small files (most programs); larger ones have their own
+/// budget, and within each the smallest waiting file goes first.
+const SMALL_BYTES: u64 = 4 << 20;
 /// Files waiting at most; past it the oldest waits for its round (counted).
 const MAX_WAITING: usize = 4096;
 
@@ -23,6 +28,14 @@ struct Want {
     process_id: u64,
     index: usize,
     file: (u64, u64),
+    /// Bytes of its mapping (the cost's proxy).
+    size: u64,
+}
+
+impl Want {
+    fn class(&self) -> usize {
+        usize::from(self.size > SMALL_BYTES)
+    }
 }
 
 /// The queue of files waiting for their table, and the budget it is worked off with.
@@ -30,8 +43,8 @@ pub(crate) struct Early {
     queue: VecDeque<Want>,
     /// The files in `queue`.
     queued: HashSet<(u64, u64)>,
-    /// Seconds of work that may be spent now (negative: owed).
-    tokens: f64,
+    /// Seconds of work that may be spent now, for small and large files (negative: owed).
+    tokens: [f64; 2],
     last: Instant,
     /// File → CLOCK_BOOTTIME ns of the first sample of a process that waits for it.
     waiting_since: HashMap<(u64, u64), u64>,
@@ -42,7 +55,7 @@ impl Default for Early {
         Self {
             queue: VecDeque::new(),
             queued: HashSet::new(),
-            tokens: BURST,
+            tokens: [BURST; 2],
             last: Instant::now(),
             waiting_since: HashMap::new(),
         }
@@ -52,17 +65,35 @@ impl Default for Early {
 impl Early {
     fn refill(&mut self, now: Instant) {
         let dt = now.saturating_duration_since(self.last).as_secs_f64();
-        self.tokens = (self.tokens + dt * RATE).min(BURST);
+        for t in &mut self.tokens {
+            *t = (*t + dt * RATE).min(BURST);
+        }
         self.last = now;
     }
 
     /// How long until queued work may go on; `None` when nothing waits.
     pub(crate) fn wait(&mut self) -> Option<Duration> {
-        if self.queue.is_empty() {
-            return None;
-        }
         self.refill(Instant::now());
-        Some(Duration::from_secs_f64((-self.tokens).max(0.0) / RATE))
+        let owed = self
+            .queue
+            .iter()
+            .map(|w| (-self.tokens[w.class()]).max(0.0))
+            .reduce(f64::min)?;
+        Some(Duration::from_secs_f64(owed / RATE))
+    }
+
+    /// The next file to work on: the smallest of a class with budget left.
+    fn take(&mut self) -> Option<Want> {
+        let i = self
+            .queue
+            .iter()
+            .enumerate()
+            .filter(|(_, w)| self.tokens[w.class()] > 0.0)
+            .min_by_key(|(_, w)| w.size)
+            .map(|(i, _)| i)?;
+        let w = self.queue.remove(i)?;
+        self.queued.remove(&w.file);
+        Some(w)
     }
 
     /// When the table of `file` became ready, the time since the first sample of a
@@ -85,14 +116,16 @@ impl Early {
     #[cfg(test)]
     pub(crate) fn spend(&mut self, secs: f64) {
         self.refill(Instant::now());
-        self.tokens -= secs;
+        for t in &mut self.tokens {
+            *t -= secs;
+        }
     }
 }
 
 impl Enricher {
-    /// Records announced between rounds: kept, and their files that want a table queued,
-    /// each process's executable first (its own code is what its first samples hold;
-    /// the libraries it shares are most often loaded already). Then works the queue.
+    /// Records announced between rounds: kept, and their files that want a table queued.
+    /// The queue is worked smallest file first within each budget (a new program's own
+    /// executable is most often small; the libraries it shares are loaded already).
     pub(crate) async fn announced<L: SamplerLink>(
         &mut self,
         records: Vec<Process>,
@@ -135,6 +168,7 @@ impl Enricher {
                         process_id: id,
                         index: i,
                         file,
+                        size: m.end.saturating_sub(m.start),
                     });
                 }
             }
@@ -153,13 +187,9 @@ impl Enricher {
         loop {
             let now = Instant::now();
             self.early.refill(now);
-            if self.early.tokens <= 0.0 {
-                break;
-            }
-            let Some(w) = self.early.queue.pop_front() else {
+            let Some(w) = self.early.take() else {
                 break;
             };
-            self.early.queued.remove(&w.file);
             // Sent since (by its round), or the process gone or its mappings read again:
             // what happens to the file's table is no longer this queue's to time.
             let Some((version, path)) = self
@@ -189,7 +219,7 @@ impl Enricher {
                 Metrics::inc(&self.metrics.unwind_tables_early);
             }
             let spent = now.elapsed().as_secs_f64();
-            self.early.tokens -= spent;
+            self.early.tokens[w.class()] -= spent;
             served.push(w.process_id);
         }
         if !served.is_empty() {
