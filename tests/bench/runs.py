@@ -230,7 +230,7 @@ class ChurnFirn(Firn):
     def start(self, hz, enricher_extra=(), sampler_binary=None):
         extra = list(enricher_extra)
         if self.cache_dir:
-            extra += ["--unwind-cache-dir", str(self.cache_dir)]
+            extra += ["--unwind-cache-dir", str(self.cache_dir), "--unwind-cache-size", "128MiB"]
         super().start(hz, extra, sampler_binary)
 
     def stop(self, workload_pid=None, settle=True):

@@ -175,7 +175,10 @@ fn tables_come_from_the_disk_cache_after_a_restart_and_a_damaged_one_is_built_ag
     if !can_run_bpf() {
         return;
     }
-    let mut f = Firn::start("uwcache", &["--frequency", "99", "--round", "1"]);
+    const CACHE: &[&str] = &["--unwind-cache-size", "128MiB"];
+    let mut f = Firn::start_with("uwcache", &["--frequency", "99", "--round", "1"], |_| {
+        CACHE.iter().map(|s| s.to_string()).collect()
+    });
     let id = fresh_build_id(7);
     let chain = compile_fresh("chain.c", f.dir.path(), &id);
     // Its entry: the build id, then the digest of what the table is built from.
@@ -211,7 +214,7 @@ fn tables_come_from_the_disk_cache_after_a_restart_and_a_damaged_one_is_built_ag
             .status()
             .unwrap();
         assert!(old.success());
-        f.start_enricher(&[]);
+        f.start_enricher(CACHE);
     };
     restart(&mut f);
     wait_until("the cached table read", || {
@@ -235,7 +238,7 @@ fn tables_come_from_the_disk_cache_after_a_restart_and_a_damaged_one_is_built_ag
         e.stop();
     }
     std::fs::write(&entry, &bad).unwrap();
-    f.start_enricher(&[]);
+    f.start_enricher(CACHE);
     wait_until("the damaged entry counted", || {
         f.metric("firn_enricher_unwind_table_cache_corrupt_total")
             .unwrap_or(0.0)

@@ -74,11 +74,17 @@ pub(crate) fn key_of(map: &[u8]) -> String {
             }
             _ => map.get(..64)?,
         };
+        // The sections the builder reads: `.eh_frame` (and its header) when there is
+        // one, else `.debug_frame`. Only those: reading a big `.debug_frame` the builder
+        // skips would fault its pages in for nothing (they count in the enricher's RSS).
         let mut parts = vec![phdrs];
-        for name in [".eh_frame", ".eh_frame_hdr", ".debug_frame"] {
-            if let Some(data) = f.section_by_name(name).and_then(|s| s.data().ok()) {
-                parts.push(data);
+        let section = |name| f.section_by_name(name).and_then(|s| s.data().ok());
+        match section(".eh_frame") {
+            Some(eh) => {
+                parts.push(eh);
+                parts.extend(section(".eh_frame_hdr"));
             }
+            None => parts.extend(section(".debug_frame")),
         }
         let id = f.build_id().ok().flatten().map(<[u8]>::to_vec);
         Some((parts, id))
