@@ -107,8 +107,6 @@ pub struct Enricher {
     round: u64,
     /// Files of announced processes waiting for their tables.
     early: early::Early,
-    /// Cgroup id → path (its `0::` line) of this round's samples.
-    pub(crate) cgroups: std::collections::HashMap<u64, String>,
     /// Process id → its main thread's comm, where it changed since the record was read.
     pub(crate) main_comms: std::collections::HashMap<u64, String>,
     /// Tables kept on disk between runs (`--unwind-cache-dir`), if any.
@@ -133,7 +131,6 @@ impl Enricher {
             round: 0,
             early: early::Early::default(),
             table_cache: None,
-            cgroups: std::collections::HashMap::new(),
             main_comms: std::collections::HashMap::new(),
             python: python::Python::default(),
         }
@@ -182,7 +179,6 @@ impl Enricher {
             self.python.names.clear();
             self.early = early::Early::default();
             self.round = 0;
-            self.cgroups.clear();
             self.main_comms.clear();
         }
         self.processes.set_session(session);
@@ -192,8 +188,6 @@ impl Enricher {
     fn take_records(&mut self, batch: &Batch) {
         self.set_session(batch.session_id);
         self.round = batch.round;
-        // Each batch names the paths of its own samples' cgroups: nothing to keep.
-        self.cgroups = batch.cgroups.iter().cloned().collect();
         self.processes.update(batch.processes.clone(), batch.round);
         for s in &batch.samples {
             self.processes.touch(s.process_id, batch.round, s.count);

@@ -96,6 +96,12 @@ impl Enricher {
         self.note_comms(batch);
         let m = self.metrics.clone();
         let mut label_sets: HashMap<(u64, u64), Option<Arc<LabelSet>>> = HashMap::new();
+        // Each batch names the paths of its own samples' cgroups: nothing kept between rounds.
+        let cgroups: HashMap<u64, &str> = batch
+            .cgroups
+            .iter()
+            .map(|(id, p)| (*id, p.as_str()))
+            .collect();
         let mut mappings: HashMap<(u64, usize), Arc<MappingSpec>> = HashMap::new();
         let kernel_names: Vec<Arc<str>> = batch
             .kernel_symbols
@@ -108,7 +114,7 @@ impl Enricher {
             if self.processes.get(s.process_id).is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
             }
-            let Some(labels) = self.labels_of(s, &mut label_sets) else {
+            let Some(labels) = self.labels_of(s, &cgroups, &mut label_sets) else {
                 Metrics::add(&m.samples_dropped_by_relabel, s.count);
                 continue;
             };
@@ -150,6 +156,7 @@ impl Enricher {
     fn labels_of(
         &mut self,
         s: &Sample,
+        cgroups: &HashMap<u64, &str>,
         label_sets: &mut HashMap<(u64, u64), Option<Arc<LabelSet>>>,
     ) -> Option<Arc<LabelSet>> {
         if let Some(l) = label_sets.get(&(s.process_id, s.cgroup_id)) {
@@ -157,8 +164,7 @@ impl Enricher {
         }
         let entry = self.processes.get(s.process_id);
         let moved = entry.and_then(|e| {
-            let path = self
-                .cgroups
+            let path = cgroups
                 .get(&s.cgroup_id)
                 .and_then(|line| with_unified_line(&e.record.cgroup, line))
                 .filter(|p| *p != e.record.cgroup);
