@@ -49,6 +49,8 @@ counters! {
     processes_read: "process records read from /proc",
     processes_gone: "processes gone before /proc could be read (sent with BPF facts only)",
     processes_execed_before_read: "announced processes that exec'd before /proc could be read (their earlier program sent with BPF facts only)",
+    processes_gone_described: "processes gone (or exec'd) before /proc could be read whose executable and its mappings came from another process of the same file",
+    processes_gone_undescribed: "processes gone (or exec'd) before /proc could be read with no other process of their executable's file read before",
     process_read_errors: "process records that failed for another reason",
     mapping_refreshes: "mapping lists read again after a frame fell outside them",
     process_records_trimmed: "process records cut to the per-record byte bound (mappings past it left out)",

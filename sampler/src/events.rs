@@ -11,6 +11,7 @@ use std::rc::Rc;
 use firn_sampler_bpf::types::{firn_event, firn_event_kind};
 use libbpf_rs::{MapCore, RingBuffer, RingBufferBuilder};
 
+use crate::layouts::ExeSeen;
 use crate::processes::ProcKey;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,8 +28,8 @@ pub(crate) struct ProcEvent {
     pub(crate) key: ProcKey,
     /// Comm of the thread that triggered it (NUL-padded).
     pub(crate) comm: [u8; firn_sampler_bpf::COMM_LEN],
-    /// NEW: the inode of the executable the process ran at that sample (0: unknown).
-    pub(crate) exe_ino: u64,
+    /// NEW: the executable the process ran at that sample (0s: unknown).
+    pub(crate) exe: ExeSeen,
     /// NEW, CGROUP: the cgroup v2 id the sample was taken in.
     pub(crate) cgroup_id: u64,
 }
@@ -58,7 +59,11 @@ pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
             exec_id: e.exec_id,
         },
         comm: e.comm.map(|c| c as u8),
-        exe_ino: e.exe_ino,
+        exe: ExeSeen {
+            dev: e.exe_dev,
+            ino: e.exe_ino,
+            start_code: e.start_code,
+        },
         cgroup_id: e.cgroup_id,
     })
 }
@@ -120,10 +125,11 @@ mod tests {
             tgid: 7,
             start_ns: 9,
             exec_id: 3,
-            reserved: 0,
+            exe_dev: 17,
             comm,
             exe_ino: 11,
             cgroup_id: 13,
+            start_code: 19,
         };
         // SAFETY: firn_event is plain data; viewing it as bytes is sound.
         unsafe { std::slice::from_raw_parts((&raw const e).cast::<u8>(), EVENT_SIZE) }.to_vec()
@@ -141,7 +147,8 @@ mod tests {
                 exec_id: 3
             }
         );
-        assert_eq!((e.comm[0], e.exe_ino, e.cgroup_id), (b'x', 11, 13));
+        assert_eq!((e.comm[0], e.exe.ino, e.cgroup_id), (b'x', 11, 13));
+        assert_eq!((e.exe.dev, e.exe.start_code), (17, 19));
         assert_eq!(parse(&raw(4)).unwrap().kind, EventKind::Cgroup);
         assert!(parse(&raw(9)).is_none(), "unknown kind");
         assert!(parse(&raw(1)[..EVENT_SIZE - 1]).is_none(), "short");

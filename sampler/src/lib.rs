@@ -13,6 +13,7 @@ mod events;
 mod handles;
 mod hub;
 mod kallsyms;
+mod layouts;
 mod lifecycle;
 mod listen;
 mod preflight;

@@ -11,6 +11,7 @@ use std::rc::Rc;
 use crate::cgroups::Cgroups;
 use crate::counters::{add, bump, Counters};
 use crate::handles::Handles;
+use crate::layouts::{ExeSeen, Layouts};
 use crate::procfs::{self, ProcError, ProcessRecord};
 
 /// Processes kept at most; past it the least recently seen is forgotten.
@@ -98,6 +99,8 @@ pub(crate) struct ProcessTable {
     dropped: Vec<ProcKey>,
     /// Cgroup paths by cgroup id (what samples name).
     pub(crate) cgroups: Cgroups,
+    /// Where each executable lies, for processes gone before they were read.
+    layouts: Layouts,
 }
 
 impl Default for ProcessTable {
@@ -106,17 +109,18 @@ impl Default for ProcessTable {
     }
 }
 
-/// The record read from /proc, trimmed to its bound, or a placeholder of BPF facts.
-/// Its mapped files are queued for handles ([`ProcessTable::take_handles`]).
+/// The record read from /proc, trimmed to its bound, or a placeholder of BPF facts (with
+/// its executable from `layouts` when gone). Its mapped files are queued for handles
+/// ([`ProcessTable::take_handles`]).
 fn read_record(
     key: ProcKey,
-    (comm, exe_ino, cgroup): (&[u8], u64, Option<&[u8]>),
-    handles: &RefCell<Handles>,
+    (comm, exe, cgroup): (&[u8], ExeSeen, Option<&[u8]>),
+    (handles, layouts): (&RefCell<Handles>, &mut Layouts),
     counters: &Counters,
 ) -> (ProcessRecord, usize) {
     let (tgid, start_ns) = (key.tgid, key.start_ns);
     let t0 = std::time::Instant::now();
-    let got = procfs::read_process_at(tgid, start_ns, exe_ino, cgroup);
+    let got = procfs::read_process_at(tgid, start_ns, exe.ino, cgroup);
     add(
         &counters.process_read_ns,
         u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
@@ -134,11 +138,14 @@ fn read_record(
                 );
             }
             handles.borrow_mut().queue(dir, &r.mappings, counters);
+            layouts.learn(exe, &r);
             (r, read)
         }
         Err(e) => {
+            let mut record = placeholder(tgid, start_ns, comm);
             match e {
                 ProcError::Gone { .. } | ProcError::Reused { .. } => {
+                    layouts.describe(exe, &mut record, counters);
                     bump(&counters.processes_gone);
                     tracing::info!(
                         pid = tgid,
@@ -146,6 +153,7 @@ fn read_record(
                     );
                 }
                 ProcError::Execed { .. } => {
+                    layouts.describe(exe, &mut record, counters);
                     bump(&counters.processes_execed_before_read);
                     tracing::info!(
                         pid = tgid,
@@ -158,7 +166,7 @@ fn read_record(
                     tracing::warn!(pid = tgid, error = %e, "process record unreadable");
                 }
             }
-            (placeholder(tgid, start_ns, comm), 0)
+            (record, 0)
         }
     }
 }
@@ -190,6 +198,7 @@ impl ProcessTable {
             fresh: Vec::new(),
             dropped: Vec::new(),
             cgroups: Cgroups::default(),
+            layouts: Layouts::default(),
         }
     }
 
@@ -208,12 +217,12 @@ impl ProcessTable {
 
     /// A process the BPF program announced (its first sample), while round `round` is in
     /// progress: read from /proc now, while it still runs.
-    /// `exe_ino`: the inode of its executable as BPF saw it (0: unknown); `seen_ns`: when
-    /// the event was read (CLOCK_BOOTTIME).
+    /// `exe`: its executable as BPF saw it; `seen_ns`: when the event was read
+    /// (CLOCK_BOOTTIME).
     pub(crate) fn discover(
         &mut self,
         key: ProcKey,
-        (comm, exe_ino, cgroup_id): (&[u8], u64, u64),
+        (comm, exe, cgroup_id): (&[u8], ExeSeen, u64),
         (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) {
@@ -224,7 +233,7 @@ impl ProcessTable {
         if self.read_left > 0 {
             bump(&counters.processes_read_early);
         }
-        let id = self.insert(key, (comm, exe_ino, cgroup_id), (round, seen_ns), counters);
+        let id = self.insert(key, (comm, exe, cgroup_id), (round, seen_ns), counters);
         if let Some(k) = self
             .by_key
             .get(&key)
@@ -277,13 +286,18 @@ impl ProcessTable {
         counters: &Counters,
     ) -> u64 {
         let Some(k) = self.by_key.get_mut(&key) else {
-            return self.insert(key, (comm, 0, 0), (round, 0), counters);
+            return self.insert(key, (comm, ExeSeen::default(), 0), (round, 0), counters);
         };
         k.last_seen = k.last_seen.max(round);
         // Once ended, /proc describes another program or nothing: the record stays.
         if k.ended.is_none() {
             if k.deferred && self.read_left > 0 {
-                let (mut record, read) = read_record(key, (comm, 0, None), &self.handles, counters);
+                let (mut record, read) = read_record(
+                    key,
+                    (comm, ExeSeen::default(), None),
+                    (&self.handles, &mut self.layouts),
+                    counters,
+                );
                 record.first_sample_ns = k.record.first_sample_ns;
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
@@ -313,7 +327,7 @@ impl ProcessTable {
     fn insert(
         &mut self,
         key: ProcKey,
-        (comm, exe_ino, cgroup_id): (&[u8], u64, u64),
+        (comm, exe, cgroup_id): (&[u8], ExeSeen, u64),
         (round, seen_ns): (u64, u64),
         counters: &Counters,
     ) -> u64 {
@@ -326,8 +340,8 @@ impl ProcessTable {
             }
             let (record, read) = read_record(
                 key,
-                (comm, exe_ino, cgroup.as_deref()),
-                &self.handles,
+                (comm, exe, cgroup.as_deref()),
+                (&self.handles, &mut self.layouts),
                 counters,
             );
             self.read_left = self.read_left.saturating_sub(read);
@@ -573,7 +587,7 @@ mod tests {
         let c = Counters::default();
         let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES);
         let (before, after) = (key(u32::MAX - 1, 4), key(u32::MAX - 1, 5));
-        t.discover(before, (b"sh", 0, 0), (1, 0), &c);
+        t.discover(before, (b"sh", ExeSeen::default(), 0), (1, 0), &c);
         let a = t.observe(before, b"sh", (&[], false), 1, &c);
         let b = t.observe(after, b"prog", (&[], false), 1, &c);
         assert_ne!(a, b, "one pid, two programs, two records");

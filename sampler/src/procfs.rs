@@ -181,18 +181,23 @@ pub(crate) fn read_process_at(
             b
         })
         .unwrap_or_default();
-    let cmdline = read_bounded(&dir, pid, "cmdline", limits::MAX_CMDLINE_BYTES as usize)
-        .map(|c| split_cmdline(&c))
-        .unwrap_or_default();
-    let cgroup = match cgroup {
-        Some(c) => c.to_vec(),
-        None => read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)?,
-    };
+    // The mappings before the rest: a short-lived process is often read in its last
+    // milliseconds, and its executable and mappings are what its samples need.
     let ((mappings, code), maps_read) = read_maps(&dir, pid)?;
     if exe.is_empty() && mappings.is_empty() && !parsed.kernel_thread {
         // Its memory went while it was read (exit_mm comes before the zombie state).
         return Err(ProcError::Gone { pid });
     }
+    let cmdline = read_bounded(&dir, pid, "cmdline", limits::MAX_CMDLINE_BYTES as usize)
+        .map(|c| split_cmdline(&c))
+        .unwrap_or_default();
+    let cgroup = match cgroup {
+        Some(c) => c.to_vec(),
+        // Gone by now: kept with what was read, as a `cmdline` that could not be read.
+        None => {
+            read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize).unwrap_or_default()
+        }
+    };
     let read = stat.len() + exe.len() + cgroup.len() + maps_read;
     let record = ProcessRecord {
         pid,

@@ -159,7 +159,7 @@ impl Rounds {
                     bump(&c.events_new);
                     self.table.discover(
                         e.key,
-                        (&e.comm, e.exe_ino, e.cgroup_id),
+                        (&e.comm, e.exe, e.cgroup_id),
                         (in_progress, seen_ns),
                         c,
                     );
@@ -501,7 +501,7 @@ mod tests {
             kind,
             key,
             comm: [0; firn_sampler_bpf::COMM_LEN],
-            exe_ino: 0,
+            exe: crate::layouts::ExeSeen::default(),
             cgroup_id: 0,
         };
         r.on_events(&[event(EventKind::New)], &c);

@@ -203,7 +203,7 @@ struct Process {
   cgroup @8 :Data;               # /proc/<pid>/cgroup, bounded
   mappings @9 :List(Mapping);    # executable file mappings only
   mappingsVersion @10 :UInt32;   # bumped each time the mappings were read again (dlopen)
-  complete @11 :Bool;            # false: the process was gone before /proc could be read
+  complete @11 :Bool;            # false: gone before /proc could be read: pid, start, comm from BPF; exe and mappings, if set, are its executable placed from another process of that file
   firstSampleNs @12 :UInt64;
   # CLOCK_BOOTTIME ns at which the sampler learnt of the process's first sample (its
   # BPF event); 0 when it was found in a round's samples instead.

@@ -357,10 +357,18 @@ fn deep_paths_of_another_user_do_not_blind_discovery() {
         a.share(a.attributed) >= 0.95 && a.share(a.symbolized) >= 0.95,
         "attribution beside deep paths: {a:?}"
     );
-    // Processes gone before they were read: every user's, the attacker's included (its
-    // children live 50 ms). Alone, the churn loses about 1 in 800.
+    // The walks the attacker asks for do not take the sampler's time: before paths
+    // were bounded they took ~2,300 ms of this run; now tens.
     assert!(
-        gone <= (started as f64 + 260.0) * 0.02,
+        walk_ms < 500.0,
+        "{walk_ms:.0} ms spent taking handles beside deep paths"
+    );
+    // Processes gone before they were read: every user's, the attacker's included (its
+    // children live 50 ms). Alone, the churn loses about 1 in 800; beside the attacker
+    // 1–2 %, more with a build running beside the suite (they are still attributed
+    // from their executable's layout, checked above).
+    assert!(
+        gone <= (started as f64 + 260.0) * 0.04,
         "{gone} processes were gone before they could be read"
     );
     let _ = attacker.stop();

@@ -160,12 +160,21 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id, __u64
 	e->tgid = id->tgid;
 	e->start_ns = id->start_ns;
 	e->exec_id = id->exec_id;
-	e->reserved = 0;
 	bpf_get_current_comm(&e->comm, sizeof(e->comm));
-	/* Lets the sampler tell whether /proc still shows this program when it reads it
-	 * (an exec may come between); 0 for a kernel thread. */
-	e->exe_ino = kind == FIRN_EV_NEW ?
-		BPF_CORE_READ((struct task_struct *)bpf_get_current_task(), mm, exe_file, f_inode, i_ino) : 0;
+	e->exe_dev = 0;
+	e->exe_ino = 0;
+	e->start_code = 0;
+	if (kind == FIRN_EV_NEW) {
+		struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+
+		/* Lets the sampler tell whether /proc still shows this program when it reads
+		 * it (an exec may come between), and describe a process gone before it could
+		 * be read from another of the same file (its code placed by start_code).
+		 * All 0 for a kernel thread. */
+		e->exe_ino = BPF_CORE_READ(task, mm, exe_file, f_inode, i_ino);
+		e->exe_dev = BPF_CORE_READ(task, mm, exe_file, f_inode, i_sb, s_dev);
+		e->start_code = BPF_CORE_READ(task, mm, start_code);
+	}
 	e->cgroup_id = cgroup_id;
 	/* Only a new process is urgent (it may be gone in milliseconds); exec and exit
 	 * events wait for the next wakeup or the round's end, which halves the wakeups.

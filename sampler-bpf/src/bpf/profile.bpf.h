@@ -182,12 +182,15 @@ struct firn_event {
 	__u32 tgid;
 	__u64 start_ns;
 	__u32 exec_id;
-	__u32 reserved;
+	__u32 exe_dev;                   /* NEW: the executable's device (kernel dev_t) */
 	char comm[FIRN_TASK_COMM_LEN];   /* comm of the thread that triggered it */
 	__u64 exe_ino;                   /* NEW: inode of the executable it ran (0: none) */
 	__u64 cgroup_id;                 /* NEW, CGROUP: the cgroup v2 id at the sample */
+	__u64 start_code;                /* NEW: mm->start_code, where its loader put the
+	                                  * executable's code (its load bias + lowest PF_X
+	                                  * p_vaddr); 0: none */
 };
-_Static_assert(sizeof(struct firn_event) == 56, "firn_event is 56 bytes");
+_Static_assert(sizeof(struct firn_event) == 64, "firn_event is 64 bytes");
 
 /* ---- CPython (python.bpf.h; written by the sampler from a checked record) ---- */
 
