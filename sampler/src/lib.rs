@@ -21,6 +21,7 @@ mod preflight;
 mod probe;
 mod processes;
 mod procfs;
+mod reading;
 mod rounds;
 mod rpc;
 mod run;

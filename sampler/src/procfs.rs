@@ -144,14 +144,11 @@ fn clock_ticks() -> u64 {
     }
 }
 
-/// Reads the record of `pid`, whose thread-group leader started at `start_ns`
-/// (boot-time ns, as the BPF program saw it). Fails with `Reused` when the pid now
-/// names another process. Also returns the bytes read from /proc and the verified
-/// `/proc/<pid>` directory fd (to take handles of the mapped files through the
-/// process's root). With `exe_ino` not 0, the process must still run the executable
-/// with that inode (as BPF saw it): otherwise it exec'd meanwhile and /proc describes
-/// its next program (`Execed`). `cgroup`: the text of the cgroup the process was
-/// sampled in, when already known (then not read again).
+/// The record of `pid`, whose leader started at `start_ns` (boot-time ns, as BPF saw
+/// it; else `Reused`), the bytes read and the verified `/proc/<pid>` fd (for handles
+/// through the process's root). With `exe_ino` not 0 the process must still run that
+/// executable, else it exec'd meanwhile (`Execed`). `cgroup`: the text of the cgroup
+/// it was sampled in, when already known (then not read again).
 pub(crate) fn read_process_at(
     pid: u32,
     start_ns: u64,
@@ -181,8 +178,7 @@ pub(crate) fn read_process_at(
             b
         })
         .unwrap_or_default();
-    // The mappings before the rest: a short-lived process is often read in its last
-    // milliseconds, and its executable and mappings are what its samples need.
+    // Mappings before the rest: a short-lived process may be gone at the next read.
     let ((mappings, code), maps_read) = read_maps(&dir, pid)?;
     if exe.is_empty() && mappings.is_empty() && !parsed.kernel_thread {
         // Its memory went while it was read (exit_mm comes before the zombie state).
@@ -193,10 +189,8 @@ pub(crate) fn read_process_at(
         .unwrap_or_default();
     let cgroup = match cgroup {
         Some(c) => c.to_vec(),
-        // Gone by now: kept with what was read, as a `cmdline` that could not be read.
-        None => {
-            read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize).unwrap_or_default()
-        }
+        // Unreadable (gone by now): kept with what was read, as with `cmdline`.
+        None => cgroup_of(&dir, pid).unwrap_or_default(),
     };
     let read = stat.len() + exe.len() + cgroup.len() + maps_read;
     let record = ProcessRecord {
@@ -250,8 +244,11 @@ pub(crate) fn is_alive(pid: u32, start_ns: u64) -> bool {
 
 /// `/proc/<pid>/cgroup` of the process that started at `start_ns` (after it moved).
 pub(crate) fn read_cgroup(pid: u32, start_ns: u64) -> Result<Vec<u8>, ProcError> {
-    let (dir, _, _) = verified(pid, start_ns)?;
-    read_bounded(&dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)
+    cgroup_of(&verified(pid, start_ns)?.0, pid)
+}
+
+fn cgroup_of(dir: &OwnedFd, pid: u32) -> Result<Vec<u8>, ProcError> {
+    read_bounded(dir, pid, "cgroup", limits::MAX_PATH_BYTES as usize)
 }
 
 /// A directory fd of /proc/<pid>, checked to belong to the process that started at
