@@ -387,10 +387,7 @@ macro_rules! setup_list {
                 "raising RLIMIT_NOFILE's soft limit for binary handles"
             ),
             setup!(SYS_lseek, "reading /proc/kallsyms and the BPF object"),
-            setup!(
-                SYS_sysinfo,
-                "glibc's qsort sizing its buffer (libbpf sorts the relocations)"
-            ),
+            setup!(SYS_sysinfo, "glibc's qsort (libbpf sorting relocations)"),
             setup!(SYS_getdents64, "listing /proc/self/task and the online CPUs"),
             setup!(SYS_uname, "the kernel release check"),
             setup!(SYS_getuid, "naming the user in errors"),
