@@ -178,6 +178,7 @@ fn bench(c: &mut Criterion) {
                     .collect::<Vec<_>>()
                     .into(),
                 count: SAMPLES_PER_STACK,
+                off_cpu_ns: 0,
             })
             .collect();
         g.bench_function(BenchmarkId::new("aggregate_encode_gzip", n), |b| {
@@ -197,6 +198,7 @@ fn bench(c: &mut Criterion) {
             start_ns: 0,
             end_ns: 10_000_000_000,
             frequency_hz: 19,
+            off_cpu: false,
             stacks: stack_samples.clone(),
         };
         let groups = firn_enricher::encodings::groups(&round, firn_enricher::ProfileBy::Process);
@@ -243,6 +245,7 @@ fn bench(c: &mut Criterion) {
                         start_ns: i * 10_000_000_000,
                         end_ns: (i + 1) * 10_000_000_000,
                         frequency_hz: 19,
+                        off_cpu: false,
                         stacks: stack_samples.clone(),
                     })
                 })

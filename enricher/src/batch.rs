@@ -73,6 +73,8 @@ pub struct Sample {
     pub(crate) user_end: Option<&'static str>,
     /// The cgroup v2 id it was taken in (0: unknown); its path in some `Batch.cgroups`.
     pub(crate) cgroup_id: u64,
+    /// Nanoseconds off CPU under these stacks (--off-cpu; `count` is then 0).
+    pub(crate) off_cpu_ns: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -95,6 +97,8 @@ pub struct Batch {
     pub(crate) python_code: Vec<Vec<u8>>,
     /// Cgroup id → path, for ids not sent before.
     pub(crate) cgroups: Vec<(u64, String)>,
+    /// The sampler times off-CPU waits (its profiles carry the off-CPU type).
+    pub(crate) off_cpu: bool,
 }
 
 fn check(what: &'static str, got: u32, limit: u32) -> Result<(), DecodeError> {
@@ -202,6 +206,7 @@ pub fn decode(b: batch::Reader<'_>) -> Result<Batch, DecodeError> {
         counters: counters(b.get_counters()?)?,
         python_code,
         cgroups,
+        off_cpu: b.get_off_cpu(),
     })
 }
 
@@ -294,6 +299,7 @@ fn samples(
                 unwind_marker(s.get_user_stack_end())
             },
             cgroup_id: s.get_cgroup_id(),
+            off_cpu_ns: s.get_off_cpu_ns(),
         });
     }
     Ok(samples)

@@ -95,6 +95,7 @@ metrics! {
     batches_rejected: "batches rejected as malformed or over a limit",
     batches_dropped_upstream: "batches the sampler dropped for this enricher (its queue was full)",
     samples_received: "sample counts received (sum of sample weights)",
+    off_cpu_ns_received: "off-CPU nanoseconds received (the sampler's --off-cpu)",
     samples_without_process: "samples whose process record is unknown (encoded with comm only)",
     processes_dropped_by_relabel: "process label sets dropped by a keep or drop rule",
     samples_dropped_by_relabel: "samples of processes dropped by a keep or drop rule",

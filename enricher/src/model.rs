@@ -36,6 +36,8 @@ pub struct Round {
     pub start_ns: u64,
     pub end_ns: u64,
     pub frequency_hz: u32,
+    /// Off-CPU time is measured: profiles carry its sample type.
+    pub off_cpu: bool,
     pub stacks: Vec<StackSample>,
 }
 
@@ -125,5 +127,8 @@ pub struct StackSample {
     pub labels: Arc<LabelSet>,
     /// Leaf first.
     pub frames: Arc<[Frame]>,
+    /// Samples on CPU.
     pub count: u64,
+    /// Nanoseconds off CPU (the sampler's --off-cpu); a stack has one or the other.
+    pub off_cpu_ns: u64,
 }

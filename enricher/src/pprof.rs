@@ -27,6 +27,8 @@ pub struct Builder {
     kernel_locations: HashMap<Arc<str>, u64>,
     samples: HashMap<(Vec<u64>, Arc<LabelSet>), usize>,
     period: i64,
+    /// Values per sample: samples, cpu, and off_cpu when measured.
+    values: usize,
 }
 
 impl Builder {
@@ -44,6 +46,7 @@ impl Builder {
             kernel_locations: HashMap::new(),
             samples: HashMap::new(),
             period,
+            values: 2,
         };
         b.string("");
         let samples = b.string("samples");
@@ -64,6 +67,17 @@ impl Builder {
         b.p.time_nanos = start_ns as i64;
         b.p.duration_nanos = end_ns.saturating_sub(start_ns) as i64;
         b
+    }
+
+    /// A third sample type, `off_cpu`/`nanoseconds`: time waited off CPU (`go tool
+    /// pprof -sample_index=off_cpu`), as the OpenTelemetry profiler names it.
+    pub fn with_off_cpu(mut self) -> Self {
+        if self.values == 2 {
+            let (off, ns) = (self.string("off_cpu"), self.string("nanoseconds"));
+            self.p.sample_type.push(ValueType { ty: off, unit: ns });
+            self.values = 3;
+        }
+        self
     }
 
     pub(crate) fn comment(&mut self, text: &str) {
@@ -200,10 +214,18 @@ impl Builder {
         // Counts come off the wire: saturate rather than wrap (found by fuzzing).
         let count = i64::try_from(s.count).unwrap_or(i64::MAX);
         let cpu = count.saturating_mul(self.period);
+        let off = i64::try_from(s.off_cpu_ns).unwrap_or(i64::MAX);
+        if self.values < 3 && off > 0 {
+            // Off-CPU time without its sample type (a round of another session).
+            return;
+        }
         if let Some(&i) = self.samples.get(&key) {
             let v = &mut self.p.sample[i].value;
             v[0] = v[0].saturating_add(count);
             v[1] = v[1].saturating_add(cpu);
+            if let Some(o) = v.get_mut(2) {
+                *o = o.saturating_add(off);
+            }
             return;
         }
         let label = s
@@ -219,7 +241,7 @@ impl Builder {
         self.samples.insert(key.clone(), self.p.sample.len());
         self.p.sample.push(Sample {
             location_id: key.0,
-            value: vec![count, cpu],
+            value: [count, cpu, off][..self.values].to_vec(),
             label,
         });
     }
@@ -246,4 +268,51 @@ pub(crate) fn sample_count(p: &Profile) -> i64 {
         .iter()
         .map(|s| s.value.first().copied().unwrap_or(0))
         .fold(0i64, i64::saturating_add)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stack(count: u64, off_cpu_ns: u64) -> StackSample {
+        StackSample {
+            process_id: 1,
+            labels: Arc::new(vec![("pid".into(), "1".into())]),
+            frames: Arc::from(vec![Frame::Kernel(Arc::from("schedule"))]),
+            count,
+            off_cpu_ns,
+        }
+    }
+
+    #[test]
+    fn off_cpu_time_is_a_third_sample_type_only_when_measured() {
+        let mut b = Builder::new(100, 0, 1).with_off_cpu();
+        b.add(&stack(2, 0));
+        b.add(&stack(0, 5_000));
+        b.add(&stack(0, 7_000));
+        let p = b.finish();
+        let name = |i: i64| p.string_table[i as usize].clone();
+        let types: Vec<_> = p
+            .sample_type
+            .iter()
+            .map(|t| (name(t.ty), name(t.unit)))
+            .collect();
+        assert_eq!(types[2], ("off_cpu".to_string(), "nanoseconds".to_string()));
+        assert_eq!(
+            p.sample.len(),
+            1,
+            "equal stacks and labels sum into one sample"
+        );
+        assert_eq!(p.sample[0].value, vec![2, 20_000_000, 12_000]);
+        // Without the type, off-CPU time is left out rather than shown as samples.
+        let mut b = Builder::new(100, 0, 1);
+        b.add(&stack(0, 5_000));
+        b.add(&stack(1, 0));
+        let p = b.finish();
+        assert_eq!(p.sample_type.len(), 2);
+        assert_eq!(
+            p.sample.iter().map(|s| s.value.clone()).collect::<Vec<_>>(),
+            vec![vec![1, 10_000_000]]
+        );
+    }
 }

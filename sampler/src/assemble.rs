@@ -34,6 +34,8 @@ pub(crate) struct Sample {
     pub(crate) unwind_end: u32,
     /// The cgroup v2 id the sample was taken in.
     pub(crate) cgroup_id: u64,
+    /// `count` is nanoseconds off CPU.
+    pub(crate) off_cpu: bool,
 }
 
 /// A process record as issued to subscribers: its session id and mapping version.
@@ -151,6 +153,7 @@ pub(crate) fn assemble(
             kernel_status: status(raw.kernel, &drained),
             unwind_end: raw.unwind_end,
             cgroup_id: raw.cgroup_id,
+            off_cpu: raw.off_cpu,
         });
         if let std::collections::hash_map::Entry::Vacant(v) = cgroups.entry(raw.cgroup_id) {
             v.insert(table.cgroups.get(raw.cgroup_id));

@@ -51,6 +51,22 @@ pub(crate) enum AttachError {
     Rows { rows: u32, source: libbpf_rs::Error },
     #[error("keeping the unwinder's map fds: {0}")]
     MapFd(std::io::Error),
+    #[error(
+        "--off-cpu: attaching to the scheduler's {what} failed: {source}. It needs BTF \
+         tracepoints and task storage (Linux 5.11+)"
+    )]
+    OffCpu {
+        what: &'static str,
+        source: libbpf_rs::Error,
+    },
+}
+
+/// Off-CPU timing (`--off-cpu`): one voluntary switch in `every` is timed (and counted
+/// `every` times); waits under `min_ns` are skipped.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OffCpu {
+    pub(crate) min_ns: u64,
+    pub(crate) every: u32,
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
@@ -60,6 +76,8 @@ pub(crate) struct Sampling {
     cpus: Vec<u32>,
     /// The exec and exit hooks.
     _hooks: [Link; 2],
+    /// The scheduler hooks of --off-cpu (none without it).
+    _off_cpu: Vec<Link>,
     pub(crate) events: crate::events::Events,
     /// The unwinder's tables and process mappings (shared with the server).
     pub(crate) unwind: Rc<RefCell<Unwind>>,
@@ -76,20 +94,22 @@ impl crate::rounds::MapSets for Sampling {
 
     fn drain(&mut self, set: u32) -> Result<crate::drain::Drained, crate::drain::DrainError> {
         let maps = &self.skel.maps;
-        let (counts, stacks, ustacks) = if set == 0 {
+        let (counts, off, stacks, ustacks) = if set == 0 {
             (
                 maps.counts_0.as_fd(),
+                maps.offcounts_0.as_fd(),
                 maps.stacks_0.as_fd(),
                 maps.ustacks_0.as_fd(),
             )
         } else {
             (
                 maps.counts_1.as_fd(),
+                maps.offcounts_1.as_fd(),
                 maps.stacks_1.as_fd(),
                 maps.ustacks_1.as_fd(),
             )
         };
-        let mut d = crate::drain::drain(counts, stacks, ustacks)?;
+        let mut d = crate::drain::drain([counts, off], stacks, ustacks)?;
         crate::drain::take_python_code(maps.pycode.as_fd(), &mut d);
         Ok(d)
     }
@@ -163,9 +183,9 @@ fn random_seed() -> Result<u64, std::io::Error> {
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
 /// two, at least one page) and attaches it to every online CPU and to exec and exit.
 pub(crate) fn load_and_attach(
-    frequency: u32,
-    events_kib: u32,
+    (frequency, events_kib): (u32, u32),
     limits: Limits,
+    off_cpu: Option<OffCpu>,
     counters: Rc<Counters>,
 ) -> Result<Sampling, AttachError> {
     // The skeleton borrows its object storage for its whole life; the sampler keeps the
@@ -192,6 +212,18 @@ pub(crate) fn load_and_attach(
     // whose stack takes the key of another process's stack (read-only once loaded).
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
         ro.hash_seed = random_seed().map_err(AttachError::Seed)?;
+        if let Some(o) = off_cpu {
+            ro.off_cpu_min_ns = o.min_ns;
+            ro.off_cpu_every = o.every.max(1);
+            ro.off_cpu_self_tgid = std::process::id();
+        }
+    }
+    if off_cpu.is_none() {
+        // Not loaded at all: a kernel without task storage still samples on CPU.
+        open.progs.firn_switch.set_autoload(false);
+        for m in [&mut open.maps.offcounts_0, &mut open.maps.offcounts_1] {
+            m.set_max_entries(1).map_err(AttachError::Load)?;
+        }
     }
     let skel = open.load().map_err(AttachError::Load)?;
     // Duplicated now: the server writes these maps after confinement, apart from the
@@ -227,6 +259,11 @@ pub(crate) fn load_and_attach(
                 source,
             })?,
     ];
+    let off_cpu_links = if off_cpu.is_some() {
+        attach_off_cpu(&skel)?
+    } else {
+        Vec::new()
+    };
     let events =
         crate::events::Events::new(&skel.maps.events).map_err(|source| AttachError::Events {
             kib: events_kib,
@@ -254,9 +291,23 @@ pub(crate) fn load_and_attach(
         links,
         cpus,
         _hooks: hooks,
+        _off_cpu: off_cpu_links,
         events,
         unwind: Rc::new(RefCell::new(unwind)),
     })
+}
+
+/// The sched_switch BTF tracepoint (both ends of every wait).
+fn attach_off_cpu(skel: &ProfileSkel<'static>) -> Result<Vec<Link>, AttachError> {
+    let link = skel
+        .progs
+        .firn_switch
+        .attach()
+        .map_err(|source| AttachError::OffCpu {
+            what: "sched_switch tracepoint",
+            source,
+        })?;
+    Ok(vec![link])
 }
 
 fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {

@@ -56,7 +56,7 @@ pub(crate) struct Args {
 
     /// Size of the ring buffer of process events, in KiB (a power of two, 4–65536). The
     /// BPF program announces each process's first sample (and the exec and exit of
-    /// announced ones) there, 56 bytes each, so that the sampler reads /proc while the
+    /// announced ones) there, 64 bytes each, so that the sampler reads /proc while the
     /// process still runs. When it is full, events are lost (counted as
     /// bpf_events_lost) and the process is announced by its next sample instead.
     #[arg(long, default_value_t = 256, value_parser = events_kib)]
@@ -79,6 +79,25 @@ pub(crate) struct Args {
     /// counted, and that binary is unwound by frame pointers.
     #[arg(long, default_value_t = crate::unwind::DEFAULT_TABLE_ROWS, value_parser = clap::value_parser!(u32).range(1..=i64::from(crate::unwind::MAX_TABLE_ROWS)))]
     pub(crate) unwind_table_rows: u32,
+
+    /// Also time where threads wait off CPU (blocked on a lock, a pipe, a socket, disk,
+    /// asleep; preemption is not a wait) and count it under their stacks, kernel and
+    /// user, as a second profile type (`off_cpu`, nanoseconds). Hooks the scheduler's
+    /// sched_switch tracepoint, attached during setup.
+    #[arg(long)]
+    pub(crate) off_cpu: bool,
+
+    /// With --off-cpu: waits shorter than this (µs, 0–1000000) are skipped and counted
+    /// (`bpf_off_cpu_short`); the totals then hold only the longer waits.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub(crate) off_cpu_min_us: u64,
+
+    /// With --off-cpu: take the stacks of one voluntary switch in N (1–4096, drawn at
+    /// random) and count its wait N times, so totals stay unbiased while a storm of
+    /// switches costs a walk per N of them. The stacks are taken when a thread leaves
+    /// its CPU, before the wait's length is known (see the README).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) off_cpu_every: u32,
 
     /// After setup, run as this user (name or uid) instead of root, keeping only
     /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a

@@ -66,6 +66,8 @@ pub(crate) struct RawSample {
     pub(crate) unwind_end: u32,
     /// The cgroup v2 id the sample was taken in.
     pub(crate) cgroup_id: u64,
+    /// `count` is off-CPU nanoseconds (`FIRN_KIND_OFF_CPU`), not samples.
+    pub(crate) off_cpu: bool,
     pub(crate) count: u64,
 }
 
@@ -109,9 +111,10 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
             UserRef::Err(key.user_status.min(-1))
         },
         kernel: stack(key.kern_stack_id),
-        unwind_end: key.unwind_end,
+        unwind_end: u32::from(key.unwind_end),
         cgroup_id: key.cgroup_id,
         comm: key.comm.map(|c| c as u8),
+        off_cpu: key.kind == firn_sampler_bpf::types::firn_sample_kind::FIRN_KIND_OFF_CPU.0 as u16,
         count: 0,
     })
 }
@@ -136,14 +139,17 @@ pub(crate) fn check_key_size(got: u32) -> Result<(), DrainError> {
     }
 }
 
-/// Empties `counts` (a hash of key → u64) and the stacks its keys refer to.
+/// Empties both counts maps (samples, off-CPU waits: hashes of key → u64) and the
+/// stacks their keys refer to.
 pub(crate) fn drain(
-    counts: BorrowedFd<'_>,
+    counts: [BorrowedFd<'_>; 2],
     stacks: BorrowedFd<'_>,
     ustacks: BorrowedFd<'_>,
 ) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
-    drain_counts(counts, &mut out)?;
+    for c in counts {
+        drain_counts(c, &mut out)?;
+    }
     let mut frames = vec![0u64; MAX_STACK_DEPTH];
     take_user_stacks(ustacks, &mut out, &mut frames);
     take_kernel_stacks(stacks, &mut out, &mut frames);
@@ -362,6 +368,7 @@ mod tests {
             kern_stack_id: -libc::EFAULT,
             exec_id: 5,
             unwind_end: 3,
+            kind: 1,
             cgroup_id: 77,
             comm,
         };
@@ -374,7 +381,7 @@ mod tests {
             (41, 42, 7_000_000_001, 5)
         );
         assert_eq!(s.user, UserRef::Hash(0xfeed));
-        assert_eq!((s.unwind_end, s.cgroup_id), (3, 77));
+        assert_eq!((s.unwind_end, s.cgroup_id, s.off_cpu), (3, 77, true));
         assert_eq!(s.kernel, StackRef::Err(-libc::EFAULT));
         assert_eq!(&s.comm[..6], b"worker");
         assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());

@@ -112,13 +112,17 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let kallsyms = read_kallsyms();
 
     let counters = Rc::new(Counters::default());
+    let off_cpu = args.off_cpu.then_some(attach::OffCpu {
+        min_ns: args.off_cpu_min_us * 1000,
+        every: args.off_cpu_every,
+    });
     let mut sampling = attach::load_and_attach(
-        args.frequency,
-        args.events_buffer_kib,
+        (args.frequency, args.events_buffer_kib),
         crate::unwind::Limits {
             pool_rows: args.unwind_rows,
             table_rows: args.unwind_table_rows,
         },
+        off_cpu,
         counters.clone(),
     )?;
     let handles = binary_handles(args.binary_handles as usize);
@@ -135,6 +139,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         frequency_hz = args.frequency,
         round_seconds = args.round,
         kernel_symbols = kallsyms.len(),
+        off_cpu = args.off_cpu,
         "sampling started"
     );
 
@@ -249,6 +254,11 @@ fn identity(args: &cli::Args) -> anyhow::Result<Identity> {
         frequency_hz: args.frequency,
         round_seconds: args.round,
         kept_capabilities: drop::KEPT.iter().map(ToString::to_string).collect(),
+        off_cpu: if args.off_cpu {
+            (args.off_cpu_every, args.off_cpu_min_us * 1000)
+        } else {
+            (0, 0)
+        },
     })
 }
 

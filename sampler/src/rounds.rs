@@ -126,6 +126,16 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
             Some("bpf_python_code_full"),
         ),
         (K::FIRN_CTR_LOOP_BUDGET, &c.bpf_unwind_step_budget, None),
+        (K::FIRN_CTR_OFF_WAITS, &c.bpf_off_cpu_waits, None),
+        (K::FIRN_CTR_OFF_SHORT, &c.bpf_off_cpu_short, None),
+        (K::FIRN_CTR_OFF_UNSAMPLED, &c.bpf_off_cpu_unsampled, None),
+        (
+            K::FIRN_CTR_OFF_NO_STORAGE,
+            &c.bpf_off_cpu_untimed,
+            Some("bpf_off_cpu_untimed"),
+        ),
+        (K::FIRN_CTR_OFF_NS, &c.bpf_off_cpu_ns, None),
+        (K::FIRN_CTR_OFF_CROSSED, &c.bpf_off_cpu_crossed, None),
     ];
     all.extend(ends);
     all
@@ -368,6 +378,7 @@ mod tests {
             kernel: StackRef::Err(-libc::EFAULT),
             unwind_end: 0,
             cgroup_id: 0,
+            off_cpu: false,
             count,
         }
     }

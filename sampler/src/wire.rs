@@ -11,6 +11,7 @@ pub(crate) struct BatchMeta<'a> {
     pub(crate) dropped_batches: u64,
     pub(crate) tables_evicted: u64,
     pub(crate) counters: &'a [(&'static str, u64)],
+    pub(crate) off_cpu: bool,
 }
 
 fn wire(s: StackStatus) -> Wire {
@@ -68,6 +69,7 @@ pub(crate) fn fill_batch(
     b.set_frequency_hz(meta.frequency_hz);
     b.set_dropped_batches(meta.dropped_batches);
     b.set_unwind_tables_evicted(meta.tables_evicted);
+    b.set_off_cpu(meta.off_cpu);
     fill_counters(
         b.reborrow().init_counters(len32(meta.counters.len())),
         meta.counters,
@@ -102,7 +104,11 @@ pub(crate) fn fill_batch(
         w.set_tid(s.tid);
         let comm_len = s.comm.iter().position(|&c| c == 0).unwrap_or(s.comm.len());
         w.set_comm(&s.comm[..comm_len]);
-        w.set_count(s.count);
+        if s.off_cpu {
+            w.set_off_cpu_ns(s.count);
+        } else {
+            w.set_count(s.count);
+        }
         w.set_cgroup_id(s.cgroup_id);
         w.set_user_stack(wire(s.user_status));
         w.set_kernel_stack(wire(s.kernel_status));

@@ -146,6 +146,8 @@ struct Info {
   roundSeconds @6 :UInt32;
   keptCapabilities @7 :List(Text);
   counters @8 :List(Counter);
+  offCpuEvery @9 :UInt32;        # one voluntary switch in this many is timed; 0: off
+  offCpuMinNs @10 :UInt64;       # waits under it are skipped
 }
 
 struct Counter {
@@ -181,6 +183,9 @@ struct Batch {
   # The path of each cgroup id this batch's samples name, where the sampler knows it:
   # the `0::` line of /proc/<pid>/cgroup of a process sampled in it, read when it was
   # first seen there (the v1 lines of a hybrid host are the process record's own).
+  offCpu @14 :Bool;
+  # The sampler times off-CPU waits (--off-cpu): profiles carry an off-CPU sample type
+  # in every round, even one with no wait.
 }
 
 struct Cgroup {
@@ -260,4 +265,7 @@ struct Sample {
   # The cgroup v2 id the sample was taken in (0: unknown): its path, if known, is in
   # this batch's cgroups. A process that moves keeps its record, and its samples from
   # then on name the new cgroup.
+  offCpuNs @11 :UInt64;
+  # Nanoseconds the thread waited off CPU under these stacks (--off-cpu; weighted, see
+  # the sampler's README); such a sample has count 0. An on-CPU sample has 0 here.
 }

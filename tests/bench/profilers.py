@@ -127,7 +127,7 @@ class Firn:
         # prepares the user and the output directory.
         got = json.loads(subprocess.run(
             [str(BIN / "firn-plan"), self.tmp, "firn-bench", HTTP,
-             "--frequency", str(hz), "--round", str(self.rnd)],
+             "--frequency", str(hz), "--round", str(self.rnd), *getattr(self, "sampler_extra", ())],
             capture_output=True, text=True, check=True).stdout)
         plan = got["plan"]
         if sampler_binary:  # another build of the sampler (sampler_ab.py)

@@ -187,6 +187,29 @@ pub fn traces(files: &[PathBuf]) -> Vec<(u64, Vec<String>)> {
     parse_traces(&go_pprof(&["-traces", "-sample_index=samples"], files))
 }
 
+/// The off-CPU stacks of pprof `files` as (nanoseconds, frames leaf first), with
+/// `extra` arguments (e.g. `-tagfocus=…`), read by `go tool pprof`.
+pub fn off_cpu_traces(files: &[PathBuf], extra: &[&str]) -> Vec<(u64, Vec<String>)> {
+    assert!(!files.is_empty(), "no profiles");
+    let mut args = vec!["-traces", "-sample_index=off_cpu", "-unit=ns"];
+    args.extend_from_slice(extra);
+    let text = go_pprof(&args, files);
+    // Values print as `123ns`; the count column of parse_traces is a bare number.
+    let bare: String = text
+        .lines()
+        .map(|l| {
+            let t = l.trim_start();
+            match t.split_once("ns ") {
+                Some((n, rest)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+                    format!("{}{n} {rest}\n", &l[..l.len() - t.len()])
+                }
+                _ => format!("{l}\n"),
+            }
+        })
+        .collect();
+    parse_traces(&bare)
+}
+
 /// Sample-weighted share of `traces` (leaf first) that `whole` accepts, among those
 /// `counted` accepts.
 pub fn share<T>(

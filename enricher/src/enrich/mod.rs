@@ -153,6 +153,7 @@ impl Enricher {
             start_ns: batch.start_time_ns,
             end_ns: batch.end_time_ns,
             frequency_hz: batch.frequency_hz,
+            off_cpu: batch.off_cpu,
             stacks,
         }
     }

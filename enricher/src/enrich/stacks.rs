@@ -111,6 +111,7 @@ impl Enricher {
         let mut stacks = Vec::with_capacity(batch.samples.len());
         for s in &batch.samples {
             Metrics::add(&m.samples_received, s.count);
+            Metrics::add(&m.off_cpu_ns_received, s.off_cpu_ns);
             if self.processes.get(s.process_id).is_none() {
                 Metrics::add(&m.samples_without_process, s.count);
             }
@@ -145,6 +146,7 @@ impl Enricher {
                 labels,
                 frames: frames.into(),
                 count: s.count,
+                off_cpu_ns: s.off_cpu_ns,
             });
         }
         stacks

@@ -132,12 +132,14 @@ fn batch(round: u64, addr: u64, with_record: bool) -> Batch {
             kernel_stack: Stack::Absent,
             user_end: None,
             cgroup_id: 0,
+            off_cpu_ns: 0,
         }],
         kernel_symbols: Vec::new(),
         counters: Vec::new(),
         forgotten_processes: Vec::new(),
         tables_evicted: 0,
         cgroups: Vec::new(),
+        off_cpu: false,
     }
 }
 

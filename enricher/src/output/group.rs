@@ -55,6 +55,9 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
     let mut out = Vec::with_capacity(groups.len());
     for (group, (labels, idx)) in groups.iter().enumerate() {
         let mut b = pprof::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
+        if round.off_cpu {
+            b = b.with_off_cpu();
+        }
         for (k, v) in labels.iter() {
             b.comment(&format!("{k}={v}"));
         }

@@ -154,6 +154,7 @@ mod tests {
             start_ns: 1_795_949_795_000_000_000,
             end_ns: 1_795_949_805_000_000_000,
             frequency_hz: 19,
+            off_cpu: false,
             stacks: Vec::new(),
         };
         let l = RoundLayout::new(&round, &groups);

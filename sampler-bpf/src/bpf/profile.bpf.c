@@ -62,6 +62,10 @@ struct ustack_map ustacks_0 SEC(".maps");
 struct ustack_map ustacks_1 SEC(".maps");
 struct count_map counts_0 SEC(".maps");
 struct count_map counts_1 SEC(".maps");
+/* Off-CPU waits by key (--off-cpu; one entry each without it): apart from the samples,
+ * so that a storm of distinct waits cannot crowd samples out of their map. */
+struct count_map offcounts_0 SEC(".maps");
+struct count_map offcounts_1 SEC(".maps");
 
 /* Processes already announced to the sampler, with the cgroup id they were last
  * sampled in. The sampler deletes an entry when it forgets the process, and LRU
@@ -96,6 +100,7 @@ enum firn_counter unused_counter = FIRN_CTR_SAMPLES;
 struct firn_event unused_event = {};
 struct firn_proc_id unused_proc_id = {};
 enum firn_event_kind unused_event_kind = FIRN_EV_NEW;
+enum firn_sample_kind unused_sample_kind = FIRN_KIND_CPU;
 enum firn_unwind_end unused_unwind_end = FIRN_END_COMPLETE;
 enum firn_cfa_kind unused_cfa_kind = FIRN_CFA_NONE;
 enum firn_rbp_kind unused_rbp_kind = FIRN_RBP_SAME;
@@ -204,83 +209,104 @@ static __always_inline int user_mode(struct bpf_perf_event_data *ctx)
 
 #include "unwind.bpf.h"
 
-SEC("perf_event")
-int firn_sample(struct bpf_perf_event_data *ctx)
+/* Adds `amount` to `key`'s entry of `counts`. */
+static __always_inline void count_key(void *counts, struct firn_sample_key *key, __u64 amount)
+{
+	__u64 *count = bpf_map_lookup_elem(counts, key);
+
+	if (count) {
+		__sync_fetch_and_add(count, amount);
+		return;
+	}
+	if (bpf_map_update_elem(counts, key, &amount, BPF_NOEXIST) != 0) {
+		/* Another CPU may have inserted the same key meanwhile. */
+		count = bpf_map_lookup_elem(counts, key);
+		if (count)
+			__sync_fetch_and_add(count, amount);
+		else
+			bump(FIRN_CTR_COUNTS_FULL);
+	}
+}
+
+/* The counts map of set `set`. */
+static __always_inline void *counts_of(__u32 set)
+{
+	return set == 0 ? (void *)&counts_0 : (void *)&counts_1;
+}
+
+/* The key of the current task with its stacks stored in set `set`; announces a process
+ * seen for the first time. */
+static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind,
+				   struct firn_sample_key *key)
 {
 	__u64 id = bpf_get_current_pid_tgid();
-	__u32 tgid = id >> 32;
-	__u32 tid = (__u32)id;
-	struct firn_sample_key key = {};
 	struct task_struct *task, *leader;
 	struct firn_proc_id pid;
-	__u64 one = 1, *count, *was;
-	__u32 set = active_set;
-	void *stacks, *counts, *ustacks;
-
-	if (tid == 0) {
-		bump(FIRN_CTR_IDLE);
-		return 0;
-	}
-	bump(FIRN_CTR_SAMPLES);
+	void *stacks, *ustacks;
+	__u64 *was;
 
 	if (set == 0) {
 		stacks = &stacks_0;
-		counts = &counts_0;
 		ustacks = &ustacks_0;
 	} else {
 		stacks = &stacks_1;
-		counts = &counts_1;
 		ustacks = &ustacks_1;
 	}
 
 	task = (struct task_struct *)bpf_get_current_task();
-	key.tgid = tgid;
-	key.tid = tid;
+	key->tgid = id >> 32;
+	key->tid = (__u32)id;
+	key->kind = kind;
 	leader = BPF_CORE_READ(task, group_leader);
-	key.start_ns = BPF_CORE_READ(leader, start_boottime);
-	key.exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
-	bpf_get_current_comm(&key.comm, sizeof(key.comm));
-	key.cgroup_id = bpf_get_current_cgroup_id();
+	key->start_ns = BPF_CORE_READ(leader, start_boottime);
+	key->exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
+	bpf_get_current_comm(&key->comm, sizeof(key->comm));
+	key->cgroup_id = bpf_get_current_cgroup_id();
 
-	pid.tgid = tgid;
-	pid.exec_id = key.exec_id;
-	pid.start_ns = key.start_ns;
+	pid.tgid = key->tgid;
+	pid.exec_id = key->exec_id;
+	pid.start_ns = key->start_ns;
 	was = bpf_map_lookup_elem(&seen, &pid);
 	if (!was) {
-		if (emit(FIRN_EV_NEW, &pid, key.cgroup_id) == 0)
-			bpf_map_update_elem(&seen, &pid, &key.cgroup_id, BPF_ANY);
-	} else if (*was != key.cgroup_id) {
+		if (emit(FIRN_EV_NEW, &pid, key->cgroup_id) == 0)
+			bpf_map_update_elem(&seen, &pid, &key->cgroup_id, BPF_ANY);
+	} else if (*was != key->cgroup_id) {
 		/* Moved since its last sample: the sampler reads the new cgroup's path if it
 		 * has none for this id (within its rate bound). Not urgent: it wakes nobody.
 		 * One event per sample at most, so per process at most the sampling rate. */
-		if (emit(FIRN_EV_CGROUP, &pid, key.cgroup_id) == 0)
-			*was = key.cgroup_id;
+		if (emit(FIRN_EV_CGROUP, &pid, key->cgroup_id) == 0)
+			*was = key->cgroup_id;
 	}
 
-	user_stack(ctx, task, ustacks, &key);
+	user_stack(ctx, in_user, task, ustacks, key);
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
 	 * callchain setup (~2 us on the test VM), so answer as the helper would. */
-	if (user_mode(ctx))
-		key.kern_stack_id = -FIRN_EFAULT;
+	if (in_user)
+		key->kern_stack_id = -FIRN_EFAULT;
 	else
-		key.kern_stack_id = stack_id(ctx, stacks, 0,
-					     FIRN_CTR_KERN_STACK_FULL, FIRN_CTR_KERN_STACK_ERR);
+		/* Off CPU: the stack starts in this program and bpf_trace_run4; skipped. */
+		key->kern_stack_id = stack_id(ctx, stacks, kind == FIRN_KIND_OFF_CPU ? 2 : 0,
+					      FIRN_CTR_KERN_STACK_FULL, FIRN_CTR_KERN_STACK_ERR);
+}
 
-	count = bpf_map_lookup_elem(counts, &key);
-	if (count) {
-		__sync_fetch_and_add(count, 1);
+SEC("perf_event")
+int firn_sample(struct bpf_perf_event_data *ctx)
+{
+	struct firn_sample_key key = {};
+	__u32 set = active_set;
+
+	if ((__u32)bpf_get_current_pid_tgid() == 0) {
+		bump(FIRN_CTR_IDLE);
 		return 0;
 	}
-	if (bpf_map_update_elem(counts, &key, &one, BPF_NOEXIST) != 0) {
-		/* Another CPU may have inserted the same key meanwhile. */
-		count = bpf_map_lookup_elem(counts, &key);
-		if (count)
-			__sync_fetch_and_add(count, 1);
-		else
-			bump(FIRN_CTR_COUNTS_FULL);
-	}
+
+	bump(FIRN_CTR_SAMPLES);
+	key_of(ctx, user_mode(ctx), set, FIRN_KIND_CPU, &key);
+	count_key(counts_of(set), &key, 1);
 	return 0;
 }
+
+#include "offcpu.bpf.h"
 
 /* Current is the task that exec'd, its exec count already one up. */
 SEC("raw_tp/sched_process_exec")

@@ -35,7 +35,15 @@ enum firn_counter {
 	FIRN_CTR_PY_CODE_COPIED = 25,  /* code objects' names copied for the sampler */
 	FIRN_CTR_PY_CODE_FULL = 26,    /* not copied: pycode full until the next drain */
 	FIRN_CTR_LOOP_BUDGET = 27,     /* the walk's step budget ran out (Python steps use it) */
-	FIRN_CTR_MAX = 28,
+	/* Off-CPU (with --off-cpu): each wait is timed from a task's switch-out to its
+	 * switch-in, where its stacks are taken. */
+	FIRN_CTR_OFF_WAITS = 28,       /* waits counted */
+	FIRN_CTR_OFF_SHORT = 29,       /* waits under --off-cpu-min-us, skipped */
+	FIRN_CTR_OFF_UNSAMPLED = 30,   /* voluntary switches not drawn (1 in --off-cpu-every is) */
+	FIRN_CTR_OFF_NO_STORAGE = 31,  /* switch-outs not timed: task storage not allocated */
+	FIRN_CTR_OFF_NS = 32,          /* off-CPU nanoseconds counted (weighted) */
+	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
+	FIRN_CTR_MAX = 34,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the
@@ -58,6 +66,12 @@ enum firn_unwind_end {
 };
 _Static_assert(FIRN_CTR_END_BASE + FIRN_END_MAX == FIRN_CTR_PY_FRAMES, "one counter per end");
 
+/* What a counts entry counts: samples on CPU, or nanoseconds off CPU. */
+enum firn_sample_kind {
+	FIRN_KIND_CPU = 0,
+	FIRN_KIND_OFF_CPU = 1,
+};
+
 /* What a process event tells the sampler. */
 enum firn_event_kind {
 	FIRN_EV_NEW = 1,   /* first sample of (tgid, start, exec id): read /proc now */
@@ -74,7 +88,8 @@ struct firn_sample_key {
 	__s32 user_status;               /* 0, or -errno: EFAULT none, ENOMEM map full */
 	__s32 kern_stack_id;             /* >= 0, or -errno */
 	__u32 exec_id;                   /* leader's exec count (low bits): tells an exec */
-	__u32 unwind_end;                /* enum firn_unwind_end */
+	__u16 unwind_end;                /* enum firn_unwind_end */
+	__u16 kind;                      /* enum firn_sample_kind: what the count counts */
 	__u64 cgroup_id;                 /* the task's cgroup v2 id at the sample */
 	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
 };

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: GPL-2.0 */
 /*
  * The user-stack unwinder of profile.bpf.c, included there once (it uses that file's
- * counters, `bump` and `user_mode`). Per frame: the process's executable mappings
+ * counters and `bump`). Per frame: the process's executable mappings
  * (`procmaps`, written by the sampler from /proc/PID/maps) give the file and offset of
  * the pc; the file's table (`tables` → a run of `rows`, built by the enricher from the
  * file's CFI and checked by the sampler) gives the rule for the caller's stack pointer,
@@ -400,9 +400,10 @@ static long unwind_step(__u32 i, void *data)
 	return r;
 }
 
-/* Unwinds the user stack of the sampled task into ustacks (`set`), fills the key's
- * user_stack, user_status and unwind_end. */
-static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct task_struct *task,
+/* Unwinds the user stack of the current task into ustacks (`set`), fills the key's
+ * user_stack, user_status and unwind_end. `in_user`: `ctx` is a perf event's, taken in
+ * user mode, and holds the user registers; else they are the ones saved at entry. */
+static __always_inline void user_stack(void *ctx, int in_user, struct task_struct *task,
 				       void *ustacks, struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
@@ -416,7 +417,7 @@ static __always_inline void user_stack(struct bpf_perf_event_data *ctx, struct t
 		key->user_status = -FIRN_EFAULT;
 		return;
 	}
-	if (user_mode(ctx)) {
+	if (in_user) {
 		st->pc = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, ip));
 		st->sp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, sp));
 		st->bp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, bp));

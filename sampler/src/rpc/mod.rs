@@ -46,6 +46,8 @@ pub struct Identity {
     pub frequency_hz: u32,
     pub round_seconds: u32,
     pub kept_capabilities: Vec<String>,
+    /// --off-cpu's one-in-N and minimum wait in ns (N 0: off).
+    pub off_cpu: (u32, u64),
 }
 
 pub struct Shared {
@@ -130,6 +132,7 @@ pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: bat
                     dropped_batches: sub.dropped.get(),
                     tables_evicted: c.unwind_tables_evicted.get(),
                     counters: &counters,
+                    off_cpu: shared.identity.off_cpu.0 > 0,
                 };
                 let mut req = sink.push_request();
                 wire::fill_batch(req.get().init_batch(), round, &out, &meta);

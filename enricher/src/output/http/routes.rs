@@ -264,6 +264,9 @@ pub(super) async fn host_cpu(
             .first()
             .map_or(from, |r| r.start_ns.min(from.max(r.start_ns)));
         let mut b = profile::Builder::new(freq, start, now);
+        if rounds.iter().any(|r| r.off_cpu) {
+            b = b.with_off_cpu();
+        }
         for r in &rounds {
             for st in &r.stacks {
                 let matches = matchers

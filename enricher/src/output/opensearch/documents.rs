@@ -98,6 +98,9 @@ pub fn encode(
         let mut samples = 0u64;
         for &i in idx {
             let s = &round.stacks[i];
+            if s.count == 0 {
+                continue; // off-CPU time: not a field of these documents yet
+            }
             names.clear();
             for fr in s.frames.iter().rev() {
                 frame_names(fr, &mut names);
@@ -277,6 +280,7 @@ mod tests {
             ]),
             frames: Arc::from(frames),
             count,
+            off_cpu_ns: 0,
         }
     }
 
@@ -290,6 +294,7 @@ mod tests {
             start_ns: 1_796_100_600_000_000_000,
             end_ns: 1_796_100_610_000_000_000,
             frequency_hz: 100,
+            off_cpu: false,
             stacks: vec![
                 stack(&["leaf", "mid", "main"], 5),
                 stack(&["leaf", "mid", "main"], 2),

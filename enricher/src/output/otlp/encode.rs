@@ -315,6 +315,9 @@ pub fn encode(round: &Round, groups: &Groups) -> Option<Vec<u8>> {
         let mut order = Vec::new();
         for &i in idx {
             let s = &round.stacks[i];
+            if s.count == 0 {
+                continue; // off-CPU time: its own OTLP profile is for a later change
+            }
             let stack = dict.stack(&s.frames);
             let count = i64::try_from(s.count).unwrap_or(i64::MAX);
             let e = by_stack.entry(stack).or_insert_with(|| {
@@ -424,6 +427,7 @@ mod tests {
             labels,
             frames,
             count: 3,
+            off_cpu_ns: 0,
         };
         let round = Round {
             session_id: 1,
@@ -431,6 +435,7 @@ mod tests {
             start_ns: 10,
             end_ns: 20,
             frequency_hz: 100,
+            off_cpu: false,
             stacks: vec![stack.clone(), stack],
         };
         let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);

@@ -117,6 +117,10 @@ impl Calls {
     }
 
     fn add(&mut self, s: &StackSample) {
+        if s.count == 0 {
+            // Off-CPU time: not in the on-CPU view (its switch is for a later change).
+            return;
+        }
         self.stacks += 1;
         self.total += s.count;
         path(s, &mut self.names_buf, &mut self.kinds_buf);

@@ -197,6 +197,7 @@ mod tests {
             labels,
             frames: Arc::from(frames),
             count,
+            off_cpu_ns: 0,
         }
     }
 
@@ -217,6 +218,7 @@ mod tests {
             start_ns: 0,
             end_ns: 1_000_000_000,
             frequency_hz: 100,
+            off_cpu: false,
             stacks: vec![
                 stack("1", "a", &["leaf", "mid", "main"], 3),
                 stack("1", "a", &["mid", "main"], 1),

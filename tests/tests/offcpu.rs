@@ -1,0 +1,236 @@
+//! Off-CPU time (the sampler's --off-cpu): a gcc -O2 program (no frame pointers) waits
+//! on a pipe, asleep and on a mutex, each in a function of its own, and measures each
+//! wait itself (wall time minus its thread's CPU time). firn's off-CPU totals, read back
+//! with `go tool pprof -sample_index=off_cpu`, are checked against that clock.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use firn_tests::*;
+
+const SECS: Duration = Duration::from_secs(1);
+
+/// The main thread's traces: all but those of the helper thread (its stacks start at
+/// `start_thread`; a helper stack cut short counts as the main thread's, against it).
+fn main_thread(traces: Vec<(u64, Vec<String>)>) -> Vec<(u64, Vec<String>)> {
+    traces
+        .into_iter()
+        .filter(|(_, fr)| !fr.iter().any(|f| f == "start_thread" || f == "helper"))
+        .collect()
+}
+
+/// What the program measured, in ns: the main thread's off-CPU time in all and in each
+/// waiting function.
+#[derive(Debug)]
+struct Truth {
+    total: f64,
+    pipe: f64,
+    mutex: f64,
+    sleep: f64,
+}
+
+fn workload() -> PathBuf {
+    compile_plain("gcc", "offcpu.c", "offcpu-gcc", &["-O2", "-g", "-pthread"])
+}
+
+/// Runs the workload for `secs` s; its pid and what it measured.
+fn run(secs: u32) -> (u32, Truth) {
+    let mut cmd = Command::new(workload());
+    cmd.arg(secs.to_string());
+    let mut p = Proc::spawn("offcpu", cmd);
+    let line = p
+        .wait_for("off_cpu_ns", (secs + 30) * SECS)
+        .expect("the workload did not finish");
+    let _ = p.stop();
+    let field = |name: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+    };
+    let truth = Truth {
+        total: field("total"),
+        pipe: field("pipe"),
+        mutex: field("mutex"),
+        sleep: field("sleep"),
+    };
+    (p.pid(), truth)
+}
+
+/// Waits until a round that began after now is written: every wait of a workload that
+/// ended before is in the profiles then.
+fn settle(f: &Firn) {
+    let since = now_ns();
+    let t0 = Instant::now();
+    while t0.elapsed() < 60 * SECS {
+        if index_records(&f.out)
+            .iter()
+            .any(|(_, r)| r["start_ns"].as_u64().is_some_and(|s| s >= since))
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    panic!("no round after the workload ended was written");
+}
+
+/// Nanoseconds of the traces that hold frame `name`.
+fn under(traces: &[(u64, Vec<String>)], name: &str) -> f64 {
+    traces
+        .iter()
+        .filter(|(_, frames)| frames.iter().any(|f| f == name))
+        .map(|t| t.0 as f64)
+        .sum()
+}
+
+fn off(got: f64, want: f64) -> f64 {
+    (got - want).abs() / want.max(1.0)
+}
+
+#[test]
+fn off_cpu_time_per_function_matches_the_programs_own_clock() {
+    if !can_run_bpf() {
+        return;
+    }
+    workload();
+    // Default 10 s rounds: a wait in progress when a round ends loses its stacks.
+    let f = Firn::start("offcpu", &["--frequency", "99", "--off-cpu"]);
+    let (pid, truth) = run(8);
+    settle(&f);
+    let files = f.profiles_of(pid);
+    let t = main_thread(off_cpu_traces(&files, &[]));
+    let total: f64 = t.iter().map(|x| x.0 as f64).sum();
+    let got = [
+        ("wait_pipe", truth.pipe),
+        ("wait_mutex", truth.mutex),
+        ("wait_sleep", truth.sleep),
+    ]
+    .map(|(name, want)| (name, under(&t, name), want));
+    // Whole to main, with the kernel's reason (the scheduler) under it.
+    let whole: f64 = t
+        .iter()
+        .filter(|(_, fr)| fr.iter().any(|f| f == "main") && fr.iter().any(|f| f == "schedule"))
+        .map(|x| x.0 as f64)
+        .sum();
+    eprintln!(
+        "main thread off CPU: firn {:.3} s, the program {:.3} s; {:?}; whole to main {:.1} %; \
+         waits counted {:?}, crossing a round {:?}",
+        total / 1e9,
+        truth.total / 1e9,
+        got.map(|(n, g, w)| format!("{n} {:.3}/{:.3} s", g / 1e9, w / 1e9)),
+        100.0 * whole / total.max(1.0),
+        f.metric("firn_sampler_bpf_off_cpu_waits"),
+        f.metric("firn_sampler_bpf_off_cpu_crossed"),
+    );
+    assert!(
+        off(total, truth.total) <= 0.10,
+        "off-CPU total {total} ns against {truth:?}; not whole: {:#?}",
+        worst_stacks(&t, |fr| fr.iter().any(|f| f == "main"))
+    );
+    for (name, g, want) in got {
+        assert!(off(g, want) <= 0.10, "{name}: {g} ns against {want} ns");
+        let points = 100.0 * (g / total - want / truth.total).abs();
+        assert!(points <= 10.0, "{name}'s share is {points:.1} points off");
+    }
+    assert!(
+        whole >= 0.95 * total,
+        "{:.1} % of the off-CPU time is whole to main with its kernel reason: {:#?}",
+        100.0 * whole / total,
+        worst_stacks(&t, |fr| fr.iter().any(|f| f == "main"))
+    );
+    // The reasons, as the kernel names them.
+    for reason in ["pipe_read", "do_nanosleep", "futex_wait"] {
+        assert!(
+            t.iter()
+                .any(|(_, fr)| fr.iter().any(|f| f.contains(reason))),
+            "no off-CPU stack names {reason}"
+        );
+    }
+}
+
+#[test]
+fn waits_under_the_minimum_are_skipped_and_counted() {
+    if !can_run_bpf() {
+        return;
+    }
+    workload();
+    // The pipe waits last ~20 ms, the mutex ~25 and the sleeps ~30.
+    let f = Firn::start(
+        "offcpu-min",
+        &[
+            "--frequency",
+            "99",
+            "--round",
+            "2",
+            "--off-cpu",
+            "--off-cpu-min-us",
+            "22000",
+        ],
+    );
+    let (pid, truth) = run(6);
+    settle(&f);
+    let t = main_thread(off_cpu_traces(&f.profiles_of(pid), &[]));
+    let (pipe, mutex, sleep) = (
+        under(&t, "wait_pipe"),
+        under(&t, "wait_mutex"),
+        under(&t, "wait_sleep"),
+    );
+    let short = f.metric("firn_sampler_bpf_off_cpu_short").unwrap_or(0.0);
+    eprintln!(
+        "with a 22 ms minimum: pipe {pipe} ns (of {}), mutex {mutex} (of {}), sleep {sleep} \
+         (of {}); waits skipped {short}",
+        truth.pipe, truth.mutex, truth.sleep
+    );
+    assert!(pipe <= 0.05 * truth.pipe, "the short pipe waits were kept");
+    assert!(
+        off(mutex, truth.mutex) <= 0.10,
+        "mutex {mutex} vs {truth:?}"
+    );
+    assert!(
+        off(sleep, truth.sleep) <= 0.10,
+        "sleep {sleep} vs {truth:?}"
+    );
+    // Every pipe wait (one per ~80 ms loop) and the helper's short ones.
+    assert!(short >= 50.0, "only {short} waits counted as skipped");
+}
+
+/// `perf bench sched pipe` for 20 s (two tasks switching ~100,000 times a second):
+/// the sampler keeps its memory bound and samples on, and every wait is counted or its
+/// loss is.
+#[test]
+fn a_switch_storm_leaves_the_sampler_bounded() {
+    if !can_run_bpf() {
+        return;
+    }
+    let mut f = Firn::start(
+        "offcpu-storm",
+        &["--frequency", "99", "--round", "2", "--off-cpu"],
+    );
+    let mut cmd = Command::new("perf");
+    cmd.args(["bench", "sched", "pipe", "-l", "100000000"]);
+    let mut storm = Proc::spawn("perf-bench", cmd);
+    let t0 = Instant::now();
+    let mut hwm = 0;
+    while t0.elapsed() < 20 * SECS {
+        std::thread::sleep(SECS);
+        hwm = hwm.max(status_kib(f.sampler.pid(), "VmHWM").unwrap_or(0));
+    }
+    let _ = storm.stop();
+    // perf's other end of the pipe is a child of its own.
+    let _ = Command::new("pkill")
+        .args(["-f", "perf bench sched pipe"])
+        .status();
+    settle(&f);
+    let waits = f.metric("firn_sampler_bpf_off_cpu_waits").unwrap_or(0.0);
+    let lost = f.metric("firn_sampler_bpf_counts_map_full").unwrap_or(-1.0);
+    let untimed = f.metric("firn_sampler_bpf_off_cpu_untimed").unwrap_or(-1.0);
+    eprintln!(
+        "switch storm: sampler peak {hwm} KiB; waits counted {waits}, counts map full \
+         {lost}, untimed {untimed}"
+    );
+    assert!(waits > 100_000.0, "only {waits} waits counted in the storm");
+    assert!(lost >= 0.0 && untimed >= 0.0, "loss counters missing");
+    assert!(hwm < 24 << 10, "sampler peak {hwm} KiB in the storm");
+    assert!(f.sampler.running() && f.enricher.as_mut().is_some_and(Proc::running));
+}
