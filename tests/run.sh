@@ -11,7 +11,7 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 
-packages=(clang llvm libelf-dev zlib1g-dev make gcc pkg-config capnproto libcapnp-dev golang-go python3-dev util-linux systemd passwd openssl strace podman buildah runc)
+packages=(clang llvm libelf-dev zlib1g-dev make gcc pkg-config capnproto libcapnp-dev golang-go python3-dev util-linux systemd passwd openssl strace podman buildah runc linux-perf)
 . packaging/install-deps.sh
 install_missing "${packages[@]}"
 if ! command -v cargo >/dev/null; then
