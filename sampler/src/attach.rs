@@ -86,8 +86,13 @@ pub(crate) struct Sampling {
 impl crate::rounds::MapSets for Sampling {
     fn activate(&mut self, set: u32) {
         if let Some(bss) = self.skel.maps.bss_data.as_deref_mut() {
+            // The flip's count first: a wait whose stacks go to the old set after it
+            // is still told apart from one in the new set.
+            let epoch = bss.set_epoch.wrapping_add(1);
             // SAFETY: the .bss map is mmapped for the skeleton's lifetime; the program
             // reads the field with a plain load, so a volatile store is all it takes.
+            unsafe { std::ptr::write_volatile(&mut bss.set_epoch, epoch) };
+            // SAFETY: as above.
             unsafe { std::ptr::write_volatile(&mut bss.active_set, set) };
         }
     }

@@ -1,6 +1,6 @@
 """Off-CPU time's cost (issue 30): `python3 tests/bench/offcpu_bench.py [seconds]` (root;
 build the workspace first). `perf bench sched pipe` (two tasks passing a byte back and
-forth: a context switch per message) for SECONDS, interleaved, twice each: with no
+forth: a context switch per message; both pinned to CPU 1) for SECONDS, interleaved, twice each: with no
 firn, firn on-CPU only, firn --off-cpu (every switch) and firn --off-cpu
 --off-cpu-every 16. Reports the pipe's throughput against the no-firn run of the same
 repeat, the BPF ns per context switch (all of the sampler's programs, from the kernel's
@@ -27,7 +27,9 @@ def pipe_bench(seconds):
     """Mean ops/s of `perf bench sched pipe` runs over about `seconds`."""
     rates, t0 = [], time.time()
     while not rates or time.time() - t0 < seconds:
-        out = subprocess.run(["perf", "bench", "sched", "pipe", "-l", "200000"],
+        # Both ends on one CPU: otherwise where the scheduler puts them (and how deep the
+        # other CPU sleeps) moves the throughput more than any profiler does.
+        out = subprocess.run(["taskset", "-c", "1", "perf", "bench", "sched", "pipe", "-l", "200000"],
                              capture_output=True, text=True, check=True).stdout
         m = re.search(r"([\d.]+) ops/sec", out)
         if m:

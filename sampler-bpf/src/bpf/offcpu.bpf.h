@@ -15,8 +15,9 @@
  * (at random) and its time counted that many times (unbiased); a wait under
  * `off_cpu_min_ns` is skipped and counted.
  *
- * A wait that ends in a later round than it began in had its stacks stored in the
- * other map set, drained since: it is counted without stacks (`off_cpu_crossed`).
+ * A wait that ends in a later round than it began in had its stacks stored in a map
+ * set drained since (told by `set_epoch`, which every flip moves): it is counted
+ * without stacks (`off_cpu_crossed`).
  * The idle task, kernel threads and the sampler itself are not timed. Task storage is
  * freed with its task: a task that exits while off CPU leaves nothing behind.
  */
@@ -31,11 +32,11 @@ const volatile __u64 off_cpu_min_ns = 0;
 const volatile __u32 off_cpu_every = 1;
 const volatile __u32 off_cpu_self_tgid = 0;
 
-/* A wait in progress: since when, in which set its stacks are, under which key. */
+/* A wait in progress: since when, in which set (and flip) its stacks are, its key. */
 struct firn_off_wait {
 	__u64 since;              /* 0: none */
 	__u32 set;
-	__u32 reserved;
+	__u32 epoch;              /* set_epoch when its stacks were stored */
 	struct firn_sample_key key;
 };
 
@@ -61,7 +62,7 @@ static __always_inline void wait_ends(struct task_struct *next, __u64 now)
 		bump(FIRN_CTR_OFF_SHORT);
 		return;
 	}
-	if (w->set != set) {
+	if (w->set != set || w->epoch != set_epoch) {
 		w->key.user_stack = 0;
 		w->key.user_status = -FIRN_ENOENT;
 		w->key.kern_stack_id = -FIRN_ENOENT;
@@ -98,6 +99,7 @@ int firn_switch(unsigned long long *ctx)
 		return 0;
 	}
 	set = active_set;
+	w->epoch = set_epoch;
 	__builtin_memset(&w->key, 0, sizeof(w->key));
 	key_of(ctx, 0, set, FIRN_KIND_OFF_CPU, &w->key);
 	w->set = set;

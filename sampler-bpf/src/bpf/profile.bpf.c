@@ -92,6 +92,9 @@ struct {
 
 /* Written by the sampler through the mmapped .bss; read once per sample. */
 volatile __u32 active_set = 0;
+/* Counts the flips (the sampler adds one with each): a wait off CPU tells by it whether
+ * the set its stacks went to is still the one it began in, not drained since. */
+volatile __u32 set_epoch = 0;
 
 /* Only to make the key and counter types visible in the skeleton's BTF, so that the
  * sampler's Rust types are generated from this header. */
