@@ -44,8 +44,24 @@ def wait(what, cond, timeout=30):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def attrs(d, name):
+    """The values of one attribute over the flame graph's frames, read in one script: the
+    page redraws each round, so elements found in one call may be gone by the next."""
+    return set(d.execute_script(
+        "return Array.from(document.querySelectorAll('#flame-svg rect[' + arguments[0] + ']'),"
+        " r => r.getAttribute(arguments[0]));", name))
+
+
+def click(d, what, css):
+    """Clicks the element css finds, finding it again if a redraw replaced it."""
+    def go():
+        d.find_element(By.CSS_SELECTOR, css).click()
+        return True
+    wait(what, go)
+
+
 def names(d):
-    return {r.get_attribute("data-name") for r in d.find_elements(By.CSS_SELECTOR, "#flame-svg rect[data-name]")}
+    return attrs(d, "data-name")
 
 
 def main():
@@ -67,7 +83,7 @@ def main():
         wait("the flame graph", lambda: a.function in names(d))
         report["first_draw_s"] = round(time.time() - t0, 2)
         # Frame kinds are coloured apart, with a legend naming them.
-        kinds = {r.get_attribute("data-kind") for r in d.find_elements(By.CSS_SELECTOR, "#flame-svg rect[data-kind]")}
+        kinds = attrs(d, "data-kind")
         report["frame_kinds"] = sorted(k for k in kinds if k)
         assert "0" in kinds, f"no native frame kind: {kinds}"
         legend = d.find_element(By.ID, "legend").text
@@ -80,11 +96,10 @@ def main():
         assert len(procs) > 1, "the whole machine shows more than one process"
 
         # A click on the workload's process: every part narrows to it.
-        row = wait("the workload's row", lambda: d.find_element(By.CSS_SELECTOR, f'#processes tr[data-pid="{a.pid}"]'))
-        row.click()
+        click(d, "the workload's row", f'#processes tr[data-pid="{a.pid}"]')
         wait("the pid filter", lambda: d.find_element(By.ID, "pid-filter"))
-        wait("one process", lambda: [r.get_attribute("data-pid") for r in
-                                     d.find_elements(By.CSS_SELECTOR, "#processes tbody tr")] == [a.pid])
+        wait("one process", lambda: d.execute_script(
+            "return Array.from(document.querySelectorAll('#processes tbody tr'), r => r.dataset.pid);") == [a.pid])
         comms = d.execute_script(
             "const v = window.__firnView(); return v.tree[2].map(n => v.names[n[0]]);")
         assert len(comms) == 1, f"flame graph roots after the filter: {comms}"
@@ -98,13 +113,13 @@ def main():
         box = d.find_element(By.ID, "search")
         box.send_keys(a.function)
         wait("highlighted frames", lambda: d.find_elements(By.CSS_SELECTOR, "#flame-svg rect.match"))
-        report["matches"] = len(d.find_elements(By.CSS_SELECTOR, "#flame-svg rect.match"))
+        report["matches"] = d.execute_script("return document.querySelectorAll('#flame-svg rect.match').length;")
         info = d.find_element(By.ID, "flame-info").text
         assert "search matches" in info, info
         d.save_screenshot(f"{a.shots}/view-search.png")
 
         # Zoom into the highlighted frame and out again.
-        d.find_element(By.CSS_SELECTOR, "#flame-svg rect.match").click()
+        click(d, "a highlighted frame", "#flame-svg rect.match")
         wait("zoomed", lambda: "zoomed" in d.find_element(By.ID, "flame-info").text)
 
         # The download link serves a pprof.
