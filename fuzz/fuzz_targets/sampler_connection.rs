@@ -24,7 +24,7 @@ fn shared() -> Rc<Shared> {
             frequency_hz: 19,
             round_seconds: 10,
             kept_capabilities: vec!["CAP_SYS_PTRACE".into()],
-            off_cpu: (0, 0),
+            off_cpu: (0, 0, 0),
         },
         connections: Cell::new(1),
         max_connections: 4,

@@ -61,12 +61,14 @@ pub(crate) enum AttachError {
     },
 }
 
-/// Off-CPU timing (`--off-cpu`): one voluntary switch in `every` is timed (and counted
-/// `every` times); waits under `min_ns` are skipped.
+/// Off-CPU timing (`--off-cpu`): one voluntary switch in N is timed (and counted N
+/// times), N at least `every` and raised per CPU to keep to `rate` a second; waits under
+/// `min_ns` are skipped.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OffCpu {
     pub(crate) min_ns: u64,
     pub(crate) every: u32,
+    pub(crate) rate: u32,
 }
 
 /// The loaded program, its maps and one link per CPU. Dropping it detaches everything.
@@ -220,6 +222,7 @@ pub(crate) fn load_and_attach(
         if let Some(o) = off_cpu {
             ro.off_cpu_min_ns = o.min_ns;
             ro.off_cpu_every = o.every.max(1);
+            ro.off_cpu_rate = o.rate;
             ro.off_cpu_self_tgid = std::process::id();
         }
     }

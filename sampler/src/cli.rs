@@ -4,6 +4,10 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+/// The switches a second per CPU whose stacks --off-cpu takes at most, by default: each
+/// costs a few µs of stack walk in the switching thread (BENCHMARKS.md, "Off-CPU").
+pub(crate) const DEFAULT_OFF_CPU_RATE: u32 = 250;
+
 /// firn's privileged half. Loads the eBPF sampler on every CPU, then drops its
 /// capabilities, confines itself with seccomp and streams raw stacks and process
 /// records to subscribed enrichers over a Unix socket (Cap'n Proto RPC).
@@ -92,12 +96,19 @@ pub(crate) struct Args {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub(crate) off_cpu_min_us: u64,
 
-    /// With --off-cpu: take the stacks of one voluntary switch in N (1–4096, drawn at
-    /// random) and count its wait N times, so totals stay unbiased while a storm of
-    /// switches costs a walk per N of them. The stacks are taken when a thread leaves
-    /// its CPU, before the wait's length is known (see the README).
+    /// With --off-cpu: take the stacks of one voluntary switch in N at least (1–4096,
+    /// drawn at random) and count its wait N times, so totals stay unbiased while a
+    /// storm of switches costs a walk per N of them. The stacks are taken when a thread
+    /// leaves its CPU, before the wait's length is known (see the README).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) off_cpu_every: u32,
+
+    /// With --off-cpu: take at most about this many switches a second on each CPU
+    /// (0–1000000; 0: no bound but --off-cpu-every). Each CPU raises its N every 100 ms
+    /// from its switch rate, so a quiet node takes every wait and a storm of switches
+    /// costs at most this many stack walks a second per CPU, its waits weighted.
+    #[arg(long, default_value_t = DEFAULT_OFF_CPU_RATE, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    pub(crate) off_cpu_rate: u32,
 
     /// After setup, run as this user (name or uid) instead of root, keeping only
     /// CAP_SYS_PTRACE: root-owned files (e.g. /etc/shadow) then become unreadable to a

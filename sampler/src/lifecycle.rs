@@ -115,6 +115,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let off_cpu = args.off_cpu.then_some(attach::OffCpu {
         min_ns: args.off_cpu_min_us * 1000,
         every: args.off_cpu_every,
+        rate: args.off_cpu_rate,
     });
     let mut sampling = attach::load_and_attach(
         (args.frequency, args.events_buffer_kib),
@@ -255,9 +256,13 @@ fn identity(args: &cli::Args) -> anyhow::Result<Identity> {
         round_seconds: args.round,
         kept_capabilities: drop::KEPT.iter().map(ToString::to_string).collect(),
         off_cpu: if args.off_cpu {
-            (args.off_cpu_every, args.off_cpu_min_us * 1000)
+            (
+                args.off_cpu_every,
+                args.off_cpu_min_us * 1000,
+                args.off_cpu_rate,
+            )
         } else {
-            (0, 0)
+            (0, 0, 0)
         },
     })
 }

@@ -136,6 +136,7 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
         ),
         (K::FIRN_CTR_OFF_NS, &c.bpf_off_cpu_ns, None),
         (K::FIRN_CTR_OFF_CROSSED, &c.bpf_off_cpu_crossed, None),
+        (K::FIRN_CTR_OFF_WEIGHT, &c.bpf_off_cpu_weight, None),
     ];
     all.extend(ends);
     all

@@ -20,6 +20,10 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
   python    firn only: BPF ns per sample of a Python workload beside a native one of
             similar depth (no frame pointers, interleaved), the Python walk's map memory,
             and both halves with 50 Python processes;
+  offcpu    firn only: `perf bench sched pipe` (pinned) with no firn, firn, firn
+            --off-cpu and firn --off-cpu --off-cpu-rate 0, interleaved: throughput
+            (bpf_stats off), BPF ns per switch (bpf_stats on), both halves' CPU; both
+            halves at rest with and without the flag;
   scale     firn only: 1,000 mostly idle processes plus the workload; a storm of
             short-lived processes (attribution to the right executable, enricher RSS
             trend); 200 distinct executables (symbol cache size and hit rate).
@@ -44,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+import offcpu_bench  # noqa: E402
 import python_bench  # noqa: E402
 from profilers import BCC_PROFILE, COMM, ROOT, Bcc, Bpftrace, Firn, Perf, _read  # noqa: E402
 from runs import (  # noqa: E402
@@ -348,6 +353,12 @@ def write_report(res, update):
             f"rounds of {p['round']} s; BPF ns per sample from the kernel's bpf_stats over {p['seconds']} s "
             "after two rounds (tables and interpreter records in); frames per sample from the sampler's "
             "counters. Median (min–max).\n\n" + python_bench.report(res["python"]))
+    if "offcpu" in res:
+        o = res["offcpu"]
+        sections["bench-offcpu"] = (
+            f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; {o['pairs']} interleaved "
+            f"repetitions of {o['seconds']} s per configuration, firn at 99 Hz with 2 s rounds. "
+            "Median (min–max).\n\n" + offcpu_bench.report(o))
     if "scale" in res:
         s = res["scale"]
         lines = [head, "", "| scenario | result |", "|---|---|"]
@@ -424,8 +435,8 @@ def main():
     ap.add_argument("--profilers", default="firn,perf,bpftrace,bcc")
     ap.add_argument("--idle-pairs", type=int, help="repetitions of the idle part (default: --pairs)")
     ap.add_argument("--round", type=int, default=10, help="firn round seconds (10, the default)")
-    ap.add_argument("--parts", default="overhead,idle,rest,unwind,python,scale",
-                    help="overhead,idle,rest,unwind,python,scale,upload (upload: not in the default set)")
+    ap.add_argument("--parts", default="overhead,idle,rest,unwind,python,offcpu,scale",
+                    help="overhead,idle,rest,unwind,python,offcpu,scale,upload (upload: not in the default set)")
     ap.add_argument("--upload-pairs", type=int, default=2, help="interleaved repetitions of the upload part (2)")
     ap.add_argument("--rest-pairs", type=int, default=1, help="repetitions of the rest part (1)")
     ap.add_argument("--churn-seconds", type=int, default=600,
@@ -504,6 +515,8 @@ def main():
             res["unwind_memory"] = kmem[-1] if kmem else None
         if "python" in parts:
             res["python"] = python_bench.run(out, 99, args.round, args.seconds, args.pairs)
+        if "offcpu" in parts:
+            res["offcpu"] = offcpu_bench.run(args.pairs, args.seconds)
         if "scale" in parts:
             hz = 99
             s = res["scale"] = {}

@@ -95,7 +95,12 @@ fn off_cpu_time_per_function_matches_the_programs_own_clock() {
     }
     workload();
     // Default 10 s rounds: a wait in progress when a round ends loses its stacks.
-    let f = Firn::start("offcpu", &["--frequency", "99", "--off-cpu"]);
+    // Every wait taken (no rate bound): the accuracy of the timing itself, whatever the
+    // machine's other switches; the storm test checks the weighted draw.
+    let f = Firn::start(
+        "offcpu",
+        &["--frequency", "99", "--off-cpu", "--off-cpu-rate", "0"],
+    );
     let (pid, truth) = run(8);
     settle(&f);
     let files = f.profiles_of(pid);
@@ -164,6 +169,8 @@ fn waits_under_the_minimum_are_skipped_and_counted() {
             "--round",
             "2",
             "--off-cpu",
+            "--off-cpu-rate",
+            "0",
             "--off-cpu-min-us",
             "22000",
         ],
@@ -196,20 +203,68 @@ fn waits_under_the_minimum_are_skipped_and_counted() {
     assert!(short >= 50.0, "only {short} waits counted as skipped");
 }
 
-/// `perf bench sched pipe` for 20 s (two tasks switching ~100,000 times a second):
-/// the sampler keeps its memory bound and samples on, and every wait is counted or its
-/// loss is.
+/// The pids of `perf bench sched pipe` started as `parent`: it and its forked other end.
+fn pipe_pids(parent: u32) -> Vec<u32> {
+    let mut pids = vec![parent];
+    let children = format!("/proc/{parent}/task/{parent}/children");
+    let text = std::fs::read_to_string(children).unwrap_or_default();
+    pids.extend(
+        text.split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok()),
+    );
+    pids
+}
+
+/// Nanoseconds `pid` has been alive, has run on a CPU and has waited runnable for one,
+/// from the kernel's own accounting (`/proc/PID/stat` start time, `/proc/PID/schedstat`).
+fn lived_ran_queued(pid: u32) -> (f64, f64, f64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after_comm = stat.rsplit_once(") ").map_or("", |x| x.1);
+    // Field 22 (starttime), the 20th after the comm; in clock ticks since boot.
+    let ticks: f64 = after_comm
+        .split_whitespace()
+        .nth(19)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    // USER_HZ is 100 on Linux's ABI; /proc/uptime is the same boot-time clock.
+    let now: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|u| u.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0);
+    let sched = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).unwrap_or_default();
+    let mut f = sched
+        .split_whitespace()
+        .map(|v| v.parse::<f64>().unwrap_or(0.0));
+    let (ran, queued) = (f.next().unwrap_or(0.0), f.next().unwrap_or(0.0));
+    ((now - ticks / 100.0) * 1e9, ran, queued)
+}
+
+/// `perf bench sched pipe` for 20 s (two tasks switching ~100,000 times a second), with
+/// the default draw: the sampler keeps its memory bound and samples on, it takes about
+/// --off-cpu-rate switches a second per CPU, counts the others as not drawn, and the
+/// weighted totals still match the time the two tasks were off CPU by the kernel's own
+/// accounting.
 #[test]
 fn a_switch_storm_leaves_the_sampler_bounded() {
     if !can_run_bpf() {
         return;
     }
-    let mut f = Firn::start(
-        "offcpu-storm",
-        &["--frequency", "99", "--round", "2", "--off-cpu"],
-    );
-    let mut cmd = Command::new("perf");
-    cmd.args(["bench", "sched", "pipe", "-l", "100000000"]);
+    let extra = std::env::var("FIRN_STORM_ARGS").unwrap_or_default();
+    let mut args = vec!["--frequency", "99", "--round", "2", "--off-cpu"];
+    args.extend(extra.split_whitespace());
+    let mut f = Firn::start("offcpu-storm", &args);
+    let pin = std::env::var("FIRN_STORM_PIN").unwrap_or_default();
+    let mut cmd = Command::new("taskset");
+    cmd.args([
+        "-c",
+        if pin.is_empty() { "0-1" } else { &pin },
+        "perf",
+        "bench",
+        "sched",
+        "pipe",
+        "-l",
+        "100000000",
+    ]);
     let mut storm = Proc::spawn("perf-bench", cmd);
     let t0 = Instant::now();
     let mut hwm = 0;
@@ -217,6 +272,14 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
         std::thread::sleep(SECS);
         hwm = hwm.max(status_kib(f.sampler.pid(), "VmHWM").unwrap_or(0));
     }
+    // Off CPU by the kernel's accounting, between two bounds: alive minus run counts the
+    // time runnable after a preemption, which is no wait (firn leaves it out); minus all
+    // time runnable leaves out the time from a wakeup to running, which firn counts.
+    let pids = pipe_pids(storm.pid());
+    let kernel: Vec<(f64, f64, f64)> = pids.iter().map(|&p| lived_ran_queued(p)).collect();
+    let upper: f64 = kernel.iter().map(|(l, r, _)| l - r).sum();
+    let lower: f64 = kernel.iter().map(|(l, r, q)| l - r - q).sum();
+    let lived = t0.elapsed().as_secs_f64();
     let _ = storm.stop();
     // perf's other end of the pipe is a child of its own.
     let _ = Command::new("pkill")
@@ -224,14 +287,36 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
         .status();
     settle(&f);
     let waits = f.metric("firn_sampler_bpf_off_cpu_waits").unwrap_or(0.0);
+    let unsampled = f
+        .metric("firn_sampler_bpf_off_cpu_unsampled")
+        .unwrap_or(0.0);
+    let weight = f.metric("firn_sampler_bpf_off_cpu_weight").unwrap_or(0.0);
     let lost = f.metric("firn_sampler_bpf_counts_map_full").unwrap_or(-1.0);
     let untimed = f.metric("firn_sampler_bpf_off_cpu_untimed").unwrap_or(-1.0);
+    let files: Vec<PathBuf> = pids.iter().flat_map(|&p| f.profiles_of(p)).collect();
+    let got: f64 = off_cpu_traces(&files, &[]).iter().map(|t| t.0 as f64).sum();
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as f64;
     eprintln!(
-        "switch storm: sampler peak {hwm} KiB; waits counted {waits}, counts map full \
-         {lost}, untimed {untimed}"
+        "switch storm: sampler peak {hwm} KiB; waits taken {waits} standing for {weight}, not \
+         drawn {unsampled}, \
+         counts map full {lost}, untimed {untimed}; perf's off-CPU time: firn {:.2} s, the \
+         kernel's {:.2}–{:.2} s ({} tasks)",
+        got / 1e9,
+        lower / 1e9,
+        upper / 1e9,
+        pids.len()
     );
-    assert!(waits > 100_000.0, "only {waits} waits counted in the storm");
+    assert_eq!(pids.len(), 2, "perf bench's two ends");
     assert!(lost >= 0.0 && untimed >= 0.0, "loss counters missing");
+    assert!(unsampled > 100_000.0, "only {unsampled} switches not drawn");
+    // The whole node's voluntary switches, at most the default 250 a second per CPU
+    // (and a first window's worth before a CPU's N rises).
+    let bound = 250.0 * cpus * (lived + 10.0) * 1.5;
+    assert!(waits <= bound, "{waits} waits taken, over {bound}");
+    assert!(
+        got <= 1.2 * upper && got >= 0.8 * lower,
+        "weighted off-CPU time {got} ns against {lower}–{upper} ns"
+    );
     assert!(hwm < 24 << 10, "sampler peak {hwm} KiB in the storm");
     assert!(f.sampler.running() && f.enricher.as_mut().is_some_and(Proc::running));
 }

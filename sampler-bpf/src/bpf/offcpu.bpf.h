@@ -11,9 +11,13 @@
  * Switch-in: when it is next on a CPU, the time it was away is counted under that key.
  * Kernels without kprobes and fentry (this project's CI VM has neither) have no hook in
  * the returning task's own context, so the stacks cannot wait until the length of the
- * wait is known: to bound the cost, one voluntary switch in `off_cpu_every` is taken
- * (at random) and its time counted that many times (unbiased); a wait under
- * `off_cpu_min_ns` is skipped and counted.
+ * wait is known. To bound the cost, each CPU draws which voluntary switches are taken:
+ * one in N at random, its time counted N times (unbiased). N is at least
+ * `off_cpu_every` and grows with the CPU's switch rate so that at most `off_cpu_rate`
+ * switches a second are taken on it: N for each 100 ms window is set from the switches
+ * of the window before, so the probability is known before each draw and the weighted
+ * totals stay unbiased. A quiet node takes every wait; a storm costs at most the rate's
+ * walks a second per CPU. A wait under `off_cpu_min_ns` is skipped and counted.
  *
  * A wait that ends in a later round than it began in had its stacks stored in a map
  * set drained since (told by `set_epoch`, which every flip moves): it is counted
@@ -30,13 +34,21 @@
 /* Set by the sampler before loading. */
 const volatile __u64 off_cpu_min_ns = 0;
 const volatile __u32 off_cpu_every = 1;
+/* Taken switches a second per CPU at most (0: no bound but off_cpu_every). */
+const volatile __u32 off_cpu_rate = 0;
 const volatile __u32 off_cpu_self_tgid = 0;
 
-/* A wait in progress: since when, in which set (and flip) its stacks are, its key. */
+#define FIRN_OFF_WINDOW_NS 100000000ULL
+#define FIRN_OFF_MAX_EVERY 1000000U
+
+/* A wait in progress: since when, in which set (and flip) its stacks are, its weight,
+ * its key. */
 struct firn_off_wait {
 	__u64 since;              /* 0: none */
 	__u32 set;
 	__u32 epoch;              /* set_epoch when its stacks were stored */
+	__u32 weight;             /* the N it was drawn one in */
+	__u32 pad;
 	struct firn_sample_key key;
 };
 
@@ -47,16 +59,91 @@ struct {
 	__type(value, struct firn_off_wait);
 } off_waits SEC(".maps");
 
+/* Each CPU's draw: the window's start, its switches and its taken ones, and its N. */
+struct firn_off_rate {
+	__u64 window_start;
+	__u32 switches;
+	__u32 taken;
+	__u32 every;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_off_rate);
+} off_rate SEC(".maps");
+
+static __always_inline __u32 at_least_every(__u64 n)
+{
+	if (n > FIRN_OFF_MAX_EVERY)
+		n = FIRN_OFF_MAX_EVERY;
+	return n < off_cpu_every ? off_cpu_every : (__u32)n;
+}
+
+/* Whether this voluntary switch on this CPU is taken, and the N it was drawn one in.
+ * N changes only between draws, from what came before them: each draw's probability is
+ * known when it is made, so the weighted totals stay unbiased. */
+static __always_inline __u32 draw(void)
+{
+	__u32 zero = 0, per_window;
+	struct firn_off_rate *r = bpf_map_lookup_elem(&off_rate, &zero);
+	__u64 now, n;
+
+	if (!r)
+		return 0;
+	if (r->every == 0)
+		r->every = at_least_every(1);
+	if (off_cpu_rate != 0) {
+		r->switches += 1;
+		/* The clock is read at a window's first switch and every 64th, not at each. */
+		if ((r->switches & 63) == 0 || r->window_start == 0) {
+			now = bpf_ktime_get_ns();
+			if (now - r->window_start >= FIRN_OFF_WINDOW_NS) {
+				/* The next window's N keeps the last window's switches to the
+				 * rate, scaled by how long that window really lasted (a quiet
+				 * CPU's may be long). */
+				per_window = off_cpu_rate / 10 ? off_cpu_rate / 10 : 1;
+				n = r->switches;
+				if (r->window_start != 0)
+					n = n * FIRN_OFF_WINDOW_NS / (now - r->window_start);
+				r->every = at_least_every((n + per_window - 1) / per_window);
+				r->window_start = now;
+				r->switches = 0;
+				r->taken = 0;
+			}
+		}
+	}
+	if (r->every > 1 && bpf_get_prandom_u32() % r->every != 0)
+		return 0;
+	if (off_cpu_rate != 0) {
+		/* A storm that begins within a window doubles N each time the window's
+		 * share of the rate is spent, rather than waiting for the window's end. */
+		per_window = off_cpu_rate / 10 ? off_cpu_rate / 10 : 1;
+		r->taken += 1;
+		if (r->taken >= per_window) {
+			n = r->every;
+			r->every = at_least_every(n * 2);
+			r->taken = 0;
+			return (__u32)n;
+		}
+	}
+	return r->every;
+}
+
 /* The end of `next`'s wait, if one was taken. */
-static __always_inline void wait_ends(struct task_struct *next, __u64 now)
+static __always_inline void wait_ends(struct task_struct *next)
 {
 	struct firn_off_wait *w = bpf_task_storage_get(&off_waits, next, 0, 0);
-	__u32 set = active_set;
+	__u32 set;
 	__u64 away;
 
+	/* The clock is read only for a wait that was taken. */
 	if (!w || w->since == 0)
 		return;
-	away = now - w->since;
+	set = active_set;
+	away = bpf_ktime_get_ns() - w->since;
 	w->since = 0;
 	if (away < off_cpu_min_ns) {
 		bump(FIRN_CTR_OFF_SHORT);
@@ -69,7 +156,7 @@ static __always_inline void wait_ends(struct task_struct *next, __u64 now)
 		w->key.unwind_end = FIRN_END_COMPLETE;
 		bump(FIRN_CTR_OFF_CROSSED);
 	}
-	away *= off_cpu_every;
+	away *= w->weight ? w->weight : 1;
 	bump(FIRN_CTR_OFF_WAITS);
 	add(FIRN_CTR_OFF_NS, away);
 	count_key(set == 0 ? (void *)&offcounts_0 : (void *)&offcounts_1, &w->key, away);
@@ -81,15 +168,15 @@ int firn_switch(unsigned long long *ctx)
 {
 	struct task_struct *prev = (struct task_struct *)ctx[1];
 	struct task_struct *next = (struct task_struct *)ctx[2];
-	__u64 now = bpf_ktime_get_ns();
 	struct firn_off_wait *w;
-	__u32 set;
+	__u32 set, every;
 
-	wait_ends(next, now);
+	wait_ends(next);
 	if ((ctx[0] & 1) || prev->pid == 0 || (prev->flags & FIRN_PF_KTHREAD) ||
 	    (__u32)prev->tgid == off_cpu_self_tgid)
 		return 0;
-	if (off_cpu_every > 1 && bpf_get_prandom_u32() % off_cpu_every != 0) {
+	every = draw();
+	if (every == 0) {
 		bump(FIRN_CTR_OFF_UNSAMPLED);
 		return 0;
 	}
@@ -103,6 +190,10 @@ int firn_switch(unsigned long long *ctx)
 	__builtin_memset(&w->key, 0, sizeof(w->key));
 	key_of(ctx, 0, set, FIRN_KIND_OFF_CPU, &w->key);
 	w->set = set;
+	w->weight = every;
+	add(FIRN_CTR_OFF_WEIGHT, every);
+	/* After the walk: one wait in N pays for a walk, so its time must not be counted N
+	 * times as if every wait had. */
 	w->since = bpf_ktime_get_ns();
 	return 0;
 }

@@ -43,7 +43,8 @@ enum firn_counter {
 	FIRN_CTR_OFF_NO_STORAGE = 31,  /* switch-outs not timed: task storage not allocated */
 	FIRN_CTR_OFF_NS = 32,          /* off-CPU nanoseconds counted (weighted) */
 	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
-	FIRN_CTR_MAX = 34,
+	FIRN_CTR_OFF_WEIGHT = 34,      /* switches the taken ones stand for (the sum of their N) */
+	FIRN_CTR_MAX = 35,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the

@@ -89,6 +89,7 @@ impl sampler::Server for SamplerImpl {
             info.set_round_seconds(id.round_seconds);
             info.set_off_cpu_every(id.off_cpu.0);
             info.set_off_cpu_min_ns(id.off_cpu.1);
+            info.set_off_cpu_rate(id.off_cpu.2);
             let mut caps = info
                 .reborrow()
                 .init_kept_capabilities(id.kept_capabilities.len() as u32);

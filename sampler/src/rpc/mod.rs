@@ -46,8 +46,9 @@ pub struct Identity {
     pub frequency_hz: u32,
     pub round_seconds: u32,
     pub kept_capabilities: Vec<String>,
-    /// --off-cpu's one-in-N and minimum wait in ns (N 0: off).
-    pub off_cpu: (u32, u64),
+    /// --off-cpu's one-in-N at least, minimum wait in ns and switches a second per CPU
+    /// taken at most (N 0: off).
+    pub off_cpu: (u32, u64, u32),
 }
 
 pub struct Shared {
