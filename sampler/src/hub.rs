@@ -4,7 +4,7 @@
 //! records into the next one, so no record a later sample needs is lost.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 
 use tokio::sync::Notify;
@@ -38,6 +38,15 @@ pub(crate) struct Outgoing {
 /// for 5 ms more before their tables.
 const ANNOUNCE_GATHER: std::time::Duration = std::time::Duration::from_millis(5);
 
+/// A mapped file as the sampler names it: device (major, minor) and inode.
+pub(crate) type FileId = (u32, u32, u64);
+
+/// Files a subscriber is known to have heard of, at most; past it the set starts over
+/// (counted), and processes are announced again until it fills.
+const MAX_TOLD_FILES: usize = 1 << 16;
+/// Files a subscriber loaded a Python interpreter record for, at most.
+const MAX_INTERPRETER_FILES: usize = 1024;
+
 pub(crate) struct Subscriber {
     pub(crate) id: u64,
     queue: RefCell<VecDeque<Outgoing>>,
@@ -57,6 +66,15 @@ pub(crate) struct Subscriber {
     pub(crate) rate: RefCell<TokenBucket>,
     /// Records over a batch's byte bound, to go into the next batch.
     deferred: RefCell<Vec<Issued>>,
+    /// Files of the records sent to this subscriber (announced or batched): a new
+    /// process that maps none but these is not announced. What the subscriber does with
+    /// an announcement is build the tables of files new to it, and send the interpreter
+    /// record of a Python process; a process of known files waits for its round's batch,
+    /// which saves its wakeups and messages on both sides (a churn of one program).
+    told: RefCell<HashSet<FileId>>,
+    /// Files this subscriber loaded a Python interpreter record for: their new processes
+    /// are announced, so that their records go out before the round ends.
+    interpreters: RefCell<HashSet<FileId>>,
 }
 
 impl Subscriber {
@@ -68,6 +86,40 @@ impl Subscriber {
 
     pub(crate) fn is_closed(&self) -> bool {
         self.closed.get()
+    }
+
+    /// A Python interpreter record was loaded for a mapping of `file`.
+    pub(crate) fn note_interpreter(&self, file: FileId) {
+        let mut i = self.interpreters.borrow_mut();
+        if i.len() >= MAX_INTERPRETER_FILES {
+            i.clear();
+        }
+        i.insert(file);
+    }
+
+    /// Whether `record` brings this subscriber something to do before its round: a file
+    /// it has not heard of, or one of a Python interpreter it has records for.
+    fn urgent(&self, record: &ProcessRecord) -> bool {
+        let told = self.told.borrow();
+        let interpreters = self.interpreters.borrow();
+        record.mappings.iter().any(|m| {
+            let f = file_of(m);
+            !told.contains(&f) || interpreters.contains(&f)
+        })
+    }
+
+    /// The files of records sent to this subscriber.
+    fn tell(&self, sent: &[Issued], counters: &Counters) {
+        let mut told = self.told.borrow_mut();
+        for p in sent {
+            for m in &p.record.mappings {
+                if told.len() >= MAX_TOLD_FILES {
+                    bump(&counters.told_files_flushed);
+                    told.clear();
+                }
+                told.insert(file_of(m));
+            }
+        }
     }
 
     /// The record of `process_id` at `version`, if this subscriber was sent exactly that.
@@ -177,6 +229,8 @@ impl Hub {
             next_ticket: Cell::new(0),
             rate: RefCell::new(TokenBucket::new(BROKER_RATE, BROKER_BURST)),
             deferred: RefCell::new(Vec::new()),
+            told: RefCell::new(HashSet::new()),
+            interpreters: RefCell::new(HashSet::new()),
         });
         self.subs.borrow_mut().push(sub.clone());
         sub
@@ -228,6 +282,7 @@ impl Hub {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
+            sub.tell(&processes, c);
             let mut q = sub.queue.borrow_mut();
             q.push_back(Outgoing {
                 round: Some(round.clone()),
@@ -254,11 +309,12 @@ impl Hub {
         self.subs.borrow_mut().retain(|s| !s.is_closed());
         for sub in self.subs.borrow().iter() {
             let mut sent = sub.sent.borrow_mut();
-            let new: Vec<Issued> = fresh
+            let unsent = fresh
                 .iter()
-                .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version))
-                .cloned()
-                .collect();
+                .filter(|p| sent.get(&p.id).map(|s| s.0) != Some(p.version));
+            let (new, later): (Vec<Issued>, Vec<Issued>) =
+                unsent.cloned().partition(|p| sub.urgent(&p.record));
+            add(&c.processes_not_announced, later.len() as u64);
             if new.is_empty() {
                 continue;
             }
@@ -280,6 +336,7 @@ impl Hub {
                 sent.insert(p.id, (p.version, p.record.clone()));
                 sub.max_sent.set(sub.max_sent.get().max(p.id));
             }
+            sub.tell(&processes, c);
             add(&c.processes_announced, processes.len() as u64);
             match q.back_mut().filter(|o| merge && o.round.is_none()) {
                 Some(back) => carry(processes, &mut back.processes),
@@ -336,6 +393,10 @@ impl Hub {
             next.python_code = code.split_off(excess);
         }
     }
+}
+
+fn file_of(m: &crate::procfs::Mapping) -> FileId {
+    (m.dev_major, m.dev_minor, m.inode)
 }
 
 /// Moves the records of `from` into `into` (appended, in order), newest version
@@ -478,5 +539,39 @@ mod tests {
         assert_eq!(q[1].forgotten, vec![3]);
         assert_eq!(c.batches_dropped.get(), 1);
         assert_eq!(c.processes_announced.get(), 3);
+    }
+
+    /// `issued` with its one mapping of file `inode`.
+    fn of_file(id: u64, inode: u64) -> Issued {
+        let mut p = issued(id, 10);
+        let r = Rc::get_mut(&mut p.record).expect("fresh record");
+        r.mappings[0].inode = inode;
+        p
+    }
+
+    #[test]
+    fn only_processes_with_files_new_to_a_subscriber_are_announced() {
+        let c = Rc::new(Counters::default());
+        let hub = Hub::new(8, c.clone());
+        let sub = hub.add([0; 16]);
+        hub.announce(&[of_file(1, 100)]);
+        // Another process of the same file: nothing to build, it waits for its batch.
+        hub.announce(&[of_file(2, 100)]);
+        assert_eq!(queued_ids(&sub), vec![vec![1]]);
+        assert_eq!(c.processes_not_announced.get(), 1);
+        hub.publish(round(1, vec![of_file(2, 100), of_file(3, 300)]), &[]);
+        assert_eq!(queued_ids(&sub), vec![vec![1], vec![2, 3]]);
+        // A file heard of in a batch counts as told too.
+        hub.announce(&[of_file(4, 300)]);
+        assert_eq!(queued_ids(&sub).len(), 2);
+        // A Python interpreter's file: its processes are announced (their records go out
+        // before the round ends).
+        sub.note_interpreter((8, 1, 300));
+        hub.announce(&[of_file(5, 300)]);
+        assert_eq!(queued_ids(&sub)[2], vec![5]);
+        // Another subscriber has heard of nothing yet.
+        let other = hub.add([1; 16]);
+        hub.announce(&[of_file(6, 100)]);
+        assert_eq!(queued_ids(&other), vec![vec![6]]);
     }
 }

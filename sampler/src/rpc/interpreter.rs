@@ -43,6 +43,8 @@ impl SubscriptionImpl {
         let path = String::from_utf8_lossy(&mapping.path);
         match r {
             Ok(()) => {
+                self.sub
+                    .note_interpreter((mapping.dev_major, mapping.dev_minor, mapping.inode));
                 tracing::info!(subscriber = self.sub.id, pid = record.pid, path = %path, "Python interpreter loaded");
                 Ok(())
             }
