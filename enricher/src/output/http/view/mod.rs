@@ -285,6 +285,10 @@ mod tests {
         );
         assert_eq!(v.total, 6);
         assert_eq!(v.tree.1, 6);
+        assert!(
+            !v.off_cpu,
+            "no round measured off-CPU time: the page's switch is off"
+        );
         let name = |i: u32| v.names[i as usize].as_str();
         let comms: Vec<&str> = v.tree.2.iter().map(|n| name(n.0)).collect();
         assert_eq!(comms, ["a", "b"]);
