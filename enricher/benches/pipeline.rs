@@ -207,7 +207,9 @@ fn bench(c: &mut Criterion) {
         });
         let encoded = firn_enricher::encodings::per_label_set(&round, &groups);
         g.bench_function(BenchmarkId::new("upload_parca_encode", n), |b| {
-            b.iter(|| firn_enricher::encodings::parca(&encoded).map_or(0, |v| v.len()))
+            b.iter(|| {
+                firn_enricher::encodings::parca(&round, &groups, &encoded).map_or(0, |v| v.len())
+            })
         });
         let layout = firn_enricher::encodings::RoundLayout::new(&round, &groups);
         let format = firn_enricher::encodings::OpenSearchFormat {

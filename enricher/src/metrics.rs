@@ -174,6 +174,8 @@ metrics! {
     upload_token_reload_errors: "bearer token files that could not be read again on SIGHUP (the previous token stays)",
     opensearch_auth_failures: "answers of OpenSearch refusing firn's credentials (401/403; nothing more is sent until SIGHUP)",
     opensearch_template_installs: "index templates installed in OpenSearch (at start, when absent)",
+    opensearch_template_upgrades: "firn index templates of an older mapping replaced, and their indices' mappings given the new fields",
+    opensearch_template_kept: "index templates of firn's name left as found (not made by firn, or unreadable): documents with fields it lacks may be refused",
     opensearch_stacks_left_out: "distinct stacks past --opensearch-max-stacks or --opensearch-max-bytes in a round (counted in their profile documents only)",
 }
 

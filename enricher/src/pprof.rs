@@ -12,6 +12,22 @@ use prost::Message;
 
 const KERNEL_MAPPING: &str = "[kernel.kallsyms]";
 
+/// What a profile's samples measure: its sample types, period type and which stacks
+/// it takes. One encoder serves the local files and every backend's dialect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampleTypes {
+    /// `samples`/`count` and `cpu`/`nanoseconds`, period `cpu`/`nanoseconds` (1e9 / Hz):
+    /// on-CPU stacks only.
+    OnCpu,
+    /// [`SampleTypes::OnCpu`] and a third type, `off_cpu`/`nanoseconds` (`go tool pprof
+    /// -sample_index=off_cpu`), as the OpenTelemetry profiler names it: every stack.
+    OnAndOffCpu,
+    /// `wallclock`/`nanoseconds` alone, period `samples`/`count` and 1: off-CPU stacks
+    /// only, as Parca Agent writes off-CPU time (its normalizer gives every sample type
+    /// of a pprof the one period type, so off-CPU cannot share a pprof with cpu there).
+    OffCpuWallclock,
+}
+
 /// Builds one pprof profile, deduplicating strings, mappings, functions, locations and
 /// samples (equal stacks with equal labels are summed).
 pub struct Builder {
@@ -27,13 +43,17 @@ pub struct Builder {
     kernel_locations: HashMap<Arc<str>, u64>,
     samples: HashMap<(Vec<u64>, Arc<LabelSet>), usize>,
     period: i64,
-    /// Values per sample: samples, cpu, and off_cpu when measured.
-    values: usize,
+    types: SampleTypes,
 }
 
 impl Builder {
-    /// `frequency` in Hz; `start_ns`/`end_ns` the wall-clock span covered.
+    /// An on-CPU profile: `frequency` in Hz; `start_ns`/`end_ns` the wall-clock span.
     pub fn new(frequency: u32, start_ns: u64, end_ns: u64) -> Self {
+        Self::of(SampleTypes::OnCpu, frequency, start_ns, end_ns)
+    }
+
+    /// A profile of `types`.
+    pub fn of(types: SampleTypes, frequency: u32, start_ns: u64, end_ns: u64) -> Self {
         let period = 1_000_000_000 / i64::from(frequency.max(1));
         let mut b = Self {
             p: Profile::default(),
@@ -46,38 +66,41 @@ impl Builder {
             kernel_locations: HashMap::new(),
             samples: HashMap::new(),
             period,
-            values: 2,
+            types,
         };
         b.string("");
-        let samples = b.string("samples");
-        let count = b.string("count");
-        let cpu = b.string("cpu");
-        let ns = b.string("nanoseconds");
-        b.p.sample_type = vec![
-            ValueType {
-                ty: samples,
-                unit: count,
-            },
-            ValueType { ty: cpu, unit: ns },
-        ];
-        b.p.period_type = Some(ValueType { ty: cpu, unit: ns });
-        b.p.period = period;
-        // An index into the string table, not into sample_type.
-        b.p.default_sample_type = cpu;
+        // The string order of the on-CPU types is the one profiles always had.
+        let vt = |ty, unit| ValueType { ty, unit };
+        match types {
+            SampleTypes::OnCpu | SampleTypes::OnAndOffCpu => {
+                let samples = b.string("samples");
+                let count = b.string("count");
+                let cpu = b.string("cpu");
+                let ns = b.string("nanoseconds");
+                b.p.sample_type = vec![vt(samples, count), vt(cpu, ns)];
+                if types == SampleTypes::OnAndOffCpu {
+                    let off = b.string("off_cpu");
+                    b.p.sample_type.push(vt(off, ns));
+                }
+                b.p.period_type = Some(vt(cpu, ns));
+                b.p.period = period;
+                // An index into the string table, not into sample_type.
+                b.p.default_sample_type = cpu;
+            }
+            SampleTypes::OffCpuWallclock => {
+                let wall = b.string("wallclock");
+                let ns = b.string("nanoseconds");
+                let samples = b.string("samples");
+                let count = b.string("count");
+                b.p.sample_type = vec![vt(wall, ns)];
+                b.p.period_type = Some(vt(samples, count));
+                b.p.period = 1;
+                b.p.default_sample_type = wall;
+            }
+        }
         b.p.time_nanos = start_ns as i64;
         b.p.duration_nanos = end_ns.saturating_sub(start_ns) as i64;
         b
-    }
-
-    /// A third sample type, `off_cpu`/`nanoseconds`: time waited off CPU (`go tool
-    /// pprof -sample_index=off_cpu`), as the OpenTelemetry profiler names it.
-    pub fn with_off_cpu(mut self) -> Self {
-        if self.values == 2 {
-            let (off, ns) = (self.string("off_cpu"), self.string("nanoseconds"));
-            self.p.sample_type.push(ValueType { ty: off, unit: ns });
-            self.values = 3;
-        }
-        self
     }
 
     pub(crate) fn comment(&mut self, text: &str) {
@@ -208,23 +231,31 @@ impl Builder {
         }
     }
 
-    pub fn add(&mut self, s: &StackSample) {
-        let locs: Vec<u64> = s.frames.iter().map(|f| self.location(f)).collect();
-        let key = (locs, s.labels.clone());
+    /// The values `s` adds in this profile's sample types; None: not one of its stacks.
+    fn values(&self, s: &StackSample) -> Option<([i64; 3], usize)> {
         // Counts come off the wire: saturate rather than wrap (found by fuzzing).
         let count = i64::try_from(s.count).unwrap_or(i64::MAX);
-        let cpu = count.saturating_mul(self.period);
         let off = i64::try_from(s.off_cpu_ns).unwrap_or(i64::MAX);
-        if self.values < 3 && off > 0 {
-            // Off-CPU time without its sample type (a round of another session).
-            return;
+        match self.types {
+            // Off-CPU time where no type holds it (a round of another session, or
+            // the on-CPU half of a backend's pair) is left out, not shown as samples.
+            SampleTypes::OnCpu if off > 0 => None,
+            SampleTypes::OnCpu => Some(([count, count.saturating_mul(self.period), 0], 2)),
+            SampleTypes::OnAndOffCpu => Some(([count, count.saturating_mul(self.period), off], 3)),
+            SampleTypes::OffCpuWallclock if off == 0 => None,
+            SampleTypes::OffCpuWallclock => Some(([off, 0, 0], 1)),
         }
+    }
+
+    pub fn add(&mut self, s: &StackSample) {
+        let Some((values, n)) = self.values(s) else {
+            return;
+        };
+        let locs: Vec<u64> = s.frames.iter().map(|f| self.location(f)).collect();
+        let key = (locs, s.labels.clone());
         if let Some(&i) = self.samples.get(&key) {
-            let v = &mut self.p.sample[i].value;
-            v[0] = v[0].saturating_add(count);
-            v[1] = v[1].saturating_add(cpu);
-            if let Some(o) = v.get_mut(2) {
-                *o = o.saturating_add(off);
+            for (v, add) in self.p.sample[i].value.iter_mut().zip(values) {
+                *v = v.saturating_add(add);
             }
             return;
         }
@@ -241,7 +272,7 @@ impl Builder {
         self.samples.insert(key.clone(), self.p.sample.len());
         self.p.sample.push(Sample {
             location_id: key.0,
-            value: [count, cpu, off][..self.values].to_vec(),
+            value: values[..n].to_vec(),
             label,
         });
     }
@@ -286,7 +317,7 @@ mod tests {
 
     #[test]
     fn off_cpu_time_is_a_third_sample_type_only_when_measured() {
-        let mut b = Builder::new(100, 0, 1).with_off_cpu();
+        let mut b = Builder::of(SampleTypes::OnAndOffCpu, 100, 0, 1);
         b.add(&stack(2, 0));
         b.add(&stack(0, 5_000));
         b.add(&stack(0, 7_000));

@@ -6,10 +6,14 @@ these machines. It plays the documented HTTP API firn's sink uses and nothing mo
   index_patterns, `dynamic: strict` mappings, and a type for every property.
 - POST /_bulk (NDJSON): every line must parse; lines must pair an action
   ({"index": {"_index", "_id"}}) with a document; the index must match an installed
-  template's pattern; every document field must be mapped by it, with a value of the
-  mapped type (keyword: string or list of strings, long: integer, date: integer
+  template's pattern. An index is made at its first document with the mappings of
+  that template as they are then, and keeps them (as OpenSearch: a later template
+  changes only indices made after it); every document field must be mapped by its
+  index, with a value of the mapped type (keyword: string or list of strings, long: integer, date: integer
   epoch_millis, object: object; labels.*: strings). Documents are stored by _id (an
   index action overwrites), and the answer has one item per action, as OpenSearch's.
+- PUT /<index or pattern,…>/_mapping: adds properties to the matching indices; a
+  property already mapped with another type is refused (400), as OpenSearch does.
 - Basic auth: with --user/--password, a request without that Authorization header gets
   401 (and is counted).
 
@@ -18,12 +22,17 @@ JSON (a hostile or broken server: the client must read no more than its bound); 
 answers per item: a first try of some documents 429 (retried by the client), some stack
 documents 400 mapper_parsing_exception (dropped by the client), the rest 201.
 
+--old-template FILE installs FILE as the template `firn-profiles` at start and makes
+today's and tomorrow's (UTC) index from it: what an enricher of an older mapping left.
+
 Writes OUT/state.json after every request: the template, the documents by id, the
 counts, and any violations of the checks above (which the tests expect to be none).
 """
 
 import argparse
 import base64
+import copy
+import datetime
 import fnmatch
 import hashlib
 import json
@@ -35,9 +44,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 LOCK = threading.Lock()
 STATE = {
     "templates": {},
+    "indices": {},
     "docs": {},
     "counts": {"bulk_calls": 0, "bulk_429": 0, "items": 0, "item_429": 0,
-               "item_400": 0, "unauthorized": 0, "template_gets": 0, "template_puts": 0},
+               "item_400": 0, "unauthorized": 0, "template_gets": 0, "template_puts": 0,
+               "mapping_puts": 0},
     "rejected_ids": [],
     "violations": [],
 }
@@ -82,11 +93,11 @@ def check_value(path, value, mapping, violations):
         violations.append(f"{path}: {value!r} is not a {ty}")
 
 
-def check_doc(doc, template, violations):
-    props = template["template"]["mappings"]["properties"]
+def check_doc(doc, mappings, violations):
+    props = mappings["properties"]
     for k, v in doc.items():
         if k not in props:
-            violations.append(f"{k}: not mapped (the template is strict)")
+            violations.append(f"{k}: not mapped (the index's mapping is strict)")
             continue
         check_value(k, v, props[k], violations)
 
@@ -163,6 +174,8 @@ class Handler(BaseHTTPRequestHandler):
             body = self.body()
             if not self.authorized():
                 return save()
+            if self.path.endswith("/_mapping"):
+                return self.put_mapping(body)
             if self.path.startswith("/_index_template/"):
                 STATE["counts"]["template_puts"] += 1
                 name = self.path.split("/")[2]
@@ -178,6 +191,28 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self.reply(404, {"error": "stand-in: not played"})
             save()
+
+    def put_mapping(self, body):
+        STATE["counts"]["mapping_puts"] += 1
+        patterns = self.path.split("/")[1].split(",")
+        try:
+            props = json.loads(body)["properties"]
+        except (ValueError, KeyError, TypeError) as e:
+            STATE["violations"].append(f"_mapping: not a properties object: {e}")
+            self.reply(400, {"error": "bad mapping"})
+            return save()
+        names = [i for i in STATE["indices"] if any(fnmatch.fnmatch(i, p) for p in patterns)]
+        for i in names:
+            have = STATE["indices"][i]["properties"]
+            for k, v in props.items():
+                if k in have and have[k].get("type") != v.get("type"):
+                    self.reply(400, {"error": {"type": "illegal_argument_exception",
+                                               "reason": f"mapper [{k}] cannot be changed"}})
+                    return save()
+        for i in names:
+            STATE["indices"][i]["properties"].update(copy.deepcopy(props))
+        self.reply(200, {"acknowledged": True})
+        save()
 
     def huge(self):
         """1.5 GiB of an answer that never ends being valid JSON, until the client hangs up."""
@@ -240,10 +275,12 @@ class Handler(BaseHTTPRequestHandler):
                 index, _id = meta.get("_index", ""), meta.get("_id", "")
                 templates = [t for t in STATE["templates"].values()
                              if any(fnmatch.fnmatch(index, p) for p in t.get("index_patterns", []))]
-                if not templates:
+                if index not in STATE["indices"] and templates:
+                    STATE["indices"][index] = copy.deepcopy(templates[0]["template"]["mappings"])
+                if index not in STATE["indices"]:
                     STATE["violations"].append(f"{index}: no template matches (installed first?)")
                 else:
-                    check_doc(doc, templates[0], STATE["violations"])
+                    check_doc(doc, STATE["indices"][index], STATE["violations"])
                 c["items"] += 1
                 if ARGS.mixed and h(_id, 5) == 0 and _id not in SEEN_429:
                     SEEN_429.add(_id)
@@ -285,8 +322,15 @@ def main():
     p.add_argument("--bulk-429", type=int, default=0)
     p.add_argument("--huge-answers", type=int, default=0)
     p.add_argument("--mixed", action="store_true")
+    p.add_argument("--old-template")
     ARGS = p.parse_args()
     os.makedirs(ARGS.out, exist_ok=True)
+    if ARGS.old_template:
+        t = json.load(open(ARGS.old_template))
+        STATE["templates"]["firn-profiles"] = t
+        today = datetime.datetime.now(datetime.timezone.utc).date()
+        for d in (today, today + datetime.timedelta(days=1)):
+            STATE["indices"][f"firn-profiles-{d:%Y.%m.%d}"] = copy.deepcopy(t["template"]["mappings"])
     save()
     srv = ThreadingHTTPServer(("127.0.0.1", ARGS.port), Handler)
     print(f"listening on 127.0.0.1:{ARGS.port} (OpenSearch stand-in)", flush=True)

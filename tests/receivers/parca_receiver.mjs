@@ -82,7 +82,9 @@ function readPprof(raw, executableInfo, errors) {
         stacks.push({ value: Number(s.value[0]), frames: names });
     }
     const mappings = p.mapping.map((m) => ({ file: str[Number(m.filename)], build_id: str[Number(m.buildId)] }));
-    return { types, totals, stacks, mappings, period: Number(p.period), time_nanos: String(p.timeNanos) };
+    const pt = p.periodType;
+    const period_type = pt ? `${str[Number(pt.type)]}/${str[Number(pt.unit)]}` : "";
+    return { types, totals, stacks, mappings, period_type, period: Number(p.period), time_nanos: String(p.timeNanos) };
 }
 
 function unary(I, O, handler) {

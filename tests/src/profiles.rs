@@ -59,6 +59,32 @@ pub fn pid_rounds(out: &Path, pid: u32) -> std::collections::BTreeMap<u64, u64> 
     m
 }
 
+/// (round start_ns → off-CPU ns) of process `pid` in the local pprof files, each read
+/// by `go tool pprof -sample_index=off_cpu` (the reference the backends are held to).
+pub fn pid_off_cpu_rounds(out: &Path, pid: u32) -> std::collections::BTreeMap<u64, u64> {
+    let mut m = std::collections::BTreeMap::new();
+    for (file, e) in index_records(out) {
+        if e["labels"]["pid"].as_str() != Some(pid.to_string().as_str()) {
+            continue;
+        }
+        if let Some(t) = e["start_ns"].as_u64() {
+            let ns: u64 = off_cpu_traces(&[file], &[]).iter().map(|x| x.0).sum();
+            *m.entry(t).or_insert(0) += ns;
+        }
+    }
+    m
+}
+
+/// Waits until a round that began at `since_ns` or later is in the index under `out`:
+/// every round of a workload that ended before is written then.
+pub fn wait_round_after(out: &Path, since_ns: u64, timeout: Duration) -> bool {
+    crate::wait_until(timeout, || {
+        index_records(out)
+            .iter()
+            .any(|(_, r)| r["start_ns"].as_u64() >= Some(since_ns))
+    })
+}
+
 /// Owned command-line words.
 pub fn strs(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()

@@ -125,20 +125,129 @@ pub fn otlp_profiles(out: &Path, pid: u32, ty: &str) -> Vec<Value> {
         .collect()
 }
 
-/// (time_nanos → sample count) of `pid` in what the Parca stand-in received.
-pub fn parca_rounds(out: &Path, pid: u32) -> std::collections::HashMap<u64, u64> {
-    let mut m = std::collections::HashMap::new();
+/// The raw samples of `pid`'s series in what the Parca stand-in received, with the
+/// sample types `types` (e.g. `["wallclock/nanoseconds"]`).
+pub fn parca_samples(out: &Path, pid: u32, types: &[&str]) -> Vec<Value> {
+    let mut v = Vec::new();
     for w in received_kind(out, "writeraw") {
         for s in w["series"].as_array().unwrap() {
             if s["labels"]["pid"].as_str() != Some(pid.to_string().as_str()) {
                 continue;
             }
             for smp in s["samples"].as_array().unwrap() {
-                // A string: JSON numbers in JavaScript cannot hold nanoseconds since 1970.
-                let t: u64 = smp["time_nanos"].as_str().unwrap().parse().unwrap();
-                *m.entry(t).or_insert(0) += smp["totals"][0].as_u64().unwrap();
+                let got: Vec<&str> = smp["types"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|t| t.as_str())
+                    .collect();
+                if got == types {
+                    v.push(smp.clone());
+                }
             }
         }
     }
+    v
+}
+
+/// (time_nanos → sum of the first value) of `pid`'s raw samples of `types`.
+fn parca_sums(out: &Path, pid: u32, types: &[&str]) -> std::collections::HashMap<u64, u64> {
+    let mut m = std::collections::HashMap::new();
+    for smp in parca_samples(out, pid, types) {
+        // A string: JSON numbers in JavaScript cannot hold nanoseconds since 1970.
+        let t: u64 = smp["time_nanos"].as_str().unwrap().parse().unwrap();
+        *m.entry(t).or_insert(0) += smp["totals"][0].as_u64().unwrap();
+    }
     m
+}
+
+/// (time_nanos → sample count) of `pid` in what the Parca stand-in received: its
+/// on-CPU raw samples only (an off-CPU one beside them counts nanoseconds).
+pub fn parca_rounds(out: &Path, pid: u32) -> std::collections::HashMap<u64, u64> {
+    parca_sums(out, pid, &["samples/count", "cpu/nanoseconds"])
+}
+
+/// (time_nanos → off-CPU ns) of `pid`: its `wallclock` raw samples (Parca Agent's
+/// off-CPU type).
+pub fn parca_off_cpu_rounds(out: &Path, pid: u32) -> std::collections::HashMap<u64, u64> {
+    parca_sums(out, pid, &["wallclock/nanoseconds"])
+}
+
+/// (time_unix_nano → total) of `pid`'s OTLP profiles of sample type `ty`.
+pub fn otlp_rounds(out: &Path, pid: u32, ty: &str) -> std::collections::HashMap<u64, u64> {
+    let mut m = std::collections::HashMap::new();
+    for p in otlp_profiles(out, pid, ty) {
+        let t = p["time_unix_nano"].as_u64().unwrap();
+        *m.entry(t).or_insert(0) += p["total"].as_u64().unwrap_or(0);
+    }
+    m
+}
+
+/// A CA and a `localhost` server certificate it signs (webpki refuses a self-signed
+/// leaf), made with openssl in `d`: (CA, certificate, key) PEM files.
+pub fn test_certificates(d: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    let (ca, cert, key) = (d.join("ca.pem"), d.join("cert.pem"), d.join("key.pem"));
+    let ext = readable_file(
+        d,
+        "leaf.ext",
+        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+    );
+    let p = |s: &Path| s.display().to_string();
+    for args in [
+        vec![
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=firn test CA",
+            "-keyout",
+            &p(&d.join("ca.key")),
+            "-out",
+            &p(&ca),
+        ],
+        vec![
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            &p(&key),
+            "-out",
+            &p(&d.join("leaf.csr")),
+        ],
+        vec![
+            "x509",
+            "-req",
+            "-in",
+            &p(&d.join("leaf.csr")),
+            "-CA",
+            &p(&ca),
+            "-CAkey",
+            &p(&d.join("ca.key")),
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-extfile",
+            &p(&ext),
+            "-out",
+            &p(&cert),
+        ],
+    ] {
+        let out = Command::new("openssl")
+            .args(&args)
+            .output()
+            .expect("openssl");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    (ca, cert, key)
 }

@@ -71,6 +71,68 @@ fn upload_metric(f: &Firn, name: &str) -> f64 {
     .unwrap_or(-1.0)
 }
 
+/// Off-CPU time (--off-cpu) of the `offcpu` workload `pid`: its profile documents'
+/// `off_cpu_ns` per round as the local pprof files' (read by `go tool pprof`), its stack
+/// documents naming where it waited; the template and the index an older enricher
+/// left were given the new fields.
+fn off_cpu_documents(f: &Firn, state: &Value, pid: u32) {
+    let local = off_cpu_rounds_ms(f, pid);
+    let mut remote = BTreeMap::new();
+    for d in docs(state, "profile", pid) {
+        let ns = d["off_cpu_ns"]
+            .as_u64()
+            .expect("off_cpu_ns on a profile document");
+        *remote.entry(d["start"].as_u64().unwrap()).or_insert(0) += ns;
+        let top = d["off_cpu_top_functions"].as_array().unwrap();
+        let listed: u64 = top.iter().map(|t| t["off_cpu_ns"].as_u64().unwrap()).sum();
+        assert!(listed <= ns && (ns == 0 || !top.is_empty()), "{d}");
+    }
+    assert_eq!(remote, local, "off-CPU ns per round");
+    let total: u64 = local.values().sum();
+    assert!(
+        total > 2_000_000_000,
+        "{total} ns off CPU in 5 s of waiting"
+    );
+    let stacks = docs(state, "stack", pid);
+    let waited = |f: &str| {
+        stacks.iter().any(|s| {
+            s["off_cpu_ns"].as_u64() > Some(0)
+                && s["frames"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|x| x.as_str().is_some_and(|x| x.contains(f)))
+        })
+    };
+    assert!(
+        waited("wait_pipe") && waited("pipe_read"),
+        "no stack wait_pipe … pipe_read"
+    );
+    let t = &state["templates"]["firn-profiles"];
+    assert_eq!(t["_meta"]["mapping"], 2, "the older template was replaced");
+    for (name, m) in state["indices"].as_object().unwrap() {
+        assert_eq!(
+            m["properties"]["off_cpu_ns"]["type"], "long",
+            "index {name}"
+        );
+    }
+    assert!(state["counts"]["mapping_puts"].as_u64() >= Some(1));
+    eprintln!(
+        "off-CPU documents: {:.3} s over {} rounds, as the local files; {} stack documents",
+        total as f64 / 1e9,
+        local.len(),
+        stacks.len()
+    );
+}
+
+/// (round start in ms → off-CPU ns) of `pid` in the local pprof files.
+fn off_cpu_rounds_ms(f: &Firn, pid: u32) -> BTreeMap<u64, u64> {
+    pid_off_cpu_rounds(&f.out, pid)
+        .into_iter()
+        .map(|(t, n)| (t / 1_000_000, n))
+        .collect()
+}
+
 #[test]
 fn documents_match_the_local_index() {
     if !can_run_bpf() {
@@ -78,6 +140,8 @@ fn documents_match_the_local_index() {
     }
     let rx = TempDir::new("os-rx");
     let port = free_port();
+    // An enricher of the mapping before off-CPU time left its template and index.
+    let old = repo_root().join("tests/receivers/opensearch_template_v1.json");
     let _standin = start_opensearch_standin(
         port,
         rx.path(),
@@ -89,19 +153,31 @@ fn documents_match_the_local_index() {
             "--mixed",
             "--bulk-429",
             "1",
+            "--old-template",
+            &old.display().to_string(),
         ],
     );
-    let f = Firn::start_with("os", FAST, |dir| sink_args(dir, port, PASSWORD));
+    let args = [FAST, &["--off-cpu"]].concat();
+    let f = Firn::start_with("os", &args, |dir| sink_args(dir, port, PASSWORD));
+    let waits = compile_plain("gcc", "offcpu.c", "offcpu-gcc", &["-O2", "-g", "-pthread"]);
     let mut w = start_workload(&workload("busy"), &["5"]);
-    let pid = w.pid();
+    let mut w2 = start_workload(&waits, &["5"]);
+    let (pid, wpid) = (w.pid(), w2.pid());
     w.wait_exit(30 * SECS).expect("busy ends");
+    w2.wait_exit(30 * SECS).expect("offcpu ends");
+    // Every round of the workloads written before the comparisons.
+    assert!(wait_round_after(&f.out, now_ns(), 20 * SECS));
     assert!(f.wait_profiles(pid, 2, 15 * SECS).len() >= 2);
     let caught_up = wait_until(30 * SECS, || {
         let state = standin_state(rx.path());
         let remote = remote_rounds(&state, pid);
         let local = local_rounds(&f.out, pid);
+        let waited = local_rounds(&f.out, wpid);
         !local.is_empty()
             && local.keys().all(|k| remote.contains_key(k))
+            && waited
+                .keys()
+                .all(|k| remote_rounds(&state, wpid).contains_key(k))
             && state["pending_retry"] == 0
     });
     let state = standin_state(rx.path());
@@ -184,19 +260,36 @@ fn documents_match_the_local_index() {
     // whole-request 429 retried.
     let c = &state["counts"];
     assert!(c["item_429"].as_u64().unwrap() > 0, "{c}");
-    assert_eq!(
-        upload_metric(&f, "documents_retried_total"),
-        c["item_429"].as_f64().unwrap()
-    );
-    assert_eq!(
-        upload_metric(&f, "documents_rejected_total"),
-        c["item_400"].as_f64().unwrap()
+    // Rounds keep coming (every thread's waits make many stack documents): compare the
+    // two counts between requests.
+    let counts = || {
+        let c = standin_state(rx.path())["counts"].clone();
+        [
+            (
+                upload_metric(&f, "documents_retried_total"),
+                c["item_429"].as_f64(),
+            ),
+            (
+                upload_metric(&f, "documents_rejected_total"),
+                c["item_400"].as_f64(),
+            ),
+        ]
+    };
+    assert!(
+        wait_until(20 * SECS, || counts().iter().all(|(m, c)| Some(*m) == *c)),
+        "retried and refused items, the enricher's counts against the stand-in's: {:?}",
+        counts()
     );
     assert!(upload_metric(&f, "retries_total") >= 1.0, "the 429 answer");
     assert_eq!(
-        f.metric("firn_enricher_opensearch_template_installs_total"),
+        f.metric("firn_enricher_opensearch_template_upgrades_total"),
         Some(1.0)
     );
+    assert_eq!(
+        f.metric("firn_enricher_opensearch_template_installs_total"),
+        Some(0.0)
+    );
+    off_cpu_documents(&f, &state, wpid);
     dashboards_fit_the_template(&state["templates"]["firn-profiles"]);
     flame_graph_renders(&rx, &stacks);
     let lines = f.enricher.as_ref().unwrap().lines().join("\n");

@@ -39,6 +39,8 @@ fn sha256(path: &Path) -> String {
 /// `busy`'s): its frames cannot be named here, so the enricher offers it to Parca.
 fn stripped_busy() -> PathBuf {
     let out = repo_root().join("target/workloads/busy-stripped");
+    // The first test of a fresh checkout makes the folder.
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
     let ok = Command::new("clang")
         .args([
             "-O1",
@@ -60,6 +62,77 @@ fn upload_metric(f: &Firn, name: &str, sink: &str) -> f64 {
         .unwrap_or(-1.0)
 }
 
+/// Off-CPU time (the sampler's --off-cpu): OTLP's `off_cpu` profiles and Parca's
+/// `wallclock` raw samples hold per round what the local pprof files do, as `go tool
+/// pprof -sample_index=off_cpu` reads them, and name where the workload waited.
+fn off_cpu_arrived(f: &Firn, pid: u32, otlp_out: &Path, parca_out: &Path) {
+    // A round that began after the workload ended: its rounds are all written.
+    assert!(wait_round_after(&f.out, now_ns(), Duration::from_secs(20)));
+    let arrived = wait_until(Duration::from_secs(30), || {
+        let otlp = otlp_rounds(otlp_out, pid, "off_cpu");
+        let parca = parca_rounds(parca_out, pid);
+        let local = pid_rounds(&f.out, pid);
+        !local.is_empty()
+            && local
+                .keys()
+                .all(|k| otlp.contains_key(k) && parca.contains_key(k))
+    });
+    assert!(arrived, "off-CPU rounds of {pid} missing upstream");
+    let local = pid_off_cpu_rounds(&f.out, pid);
+    let otlp = otlp_rounds(otlp_out, pid, "off_cpu");
+    let parca = parca_off_cpu_rounds(parca_out, pid);
+    for t in local.keys().chain(otlp.keys()).chain(parca.keys()) {
+        let want = local.get(t).copied().unwrap_or(0);
+        assert_eq!(
+            otlp.get(t).copied().unwrap_or(0),
+            want,
+            "OTLP off_cpu, round {t}"
+        );
+        assert_eq!(
+            parca.get(t).copied().unwrap_or(0),
+            want,
+            "Parca wallclock, round {t}"
+        );
+    }
+    let total: u64 = local.values().sum();
+    assert!(
+        total > 2_000_000_000,
+        "{total} ns off CPU in 5 s of waiting"
+    );
+    let off = otlp_profiles(otlp_out, pid, "off_cpu");
+    for p in &off {
+        assert_eq!(
+            (p["unit"].as_str(), p["period_type"].as_str()),
+            (Some("nanoseconds"), Some(""))
+        );
+    }
+    let wall = parca_samples(parca_out, pid, &["wallclock/nanoseconds"]);
+    for s in &wall {
+        assert_eq!(
+            (s["period_type"].as_str(), s["period"].as_u64()),
+            (Some("samples/count"), Some(1))
+        );
+    }
+    let parca_names: HashSet<String> = wall
+        .iter()
+        .flat_map(|s| s["stacks"].as_array().unwrap().iter())
+        .flat_map(|st| st["frames"].as_array().unwrap().iter())
+        .filter_map(|n| n.as_str().map(str::to_string))
+        .collect();
+    let otlp_names = frames_of(&off);
+    // The kernel's reason: `pipe_read` (`anon_pipe_read` in recent kernels).
+    for want in ["wait_pipe", "pipe_read"] {
+        let has = |names: &HashSet<String>| names.iter().any(|n| n.contains(want));
+        assert!(has(&otlp_names), "{want} not in OTLP's off_cpu stacks");
+        assert!(has(&parca_names), "{want} not in Parca's wallclock stacks");
+    }
+    eprintln!(
+        "off-CPU: {:.3} s over {} rounds in the local files, OTLP and Parca alike",
+        total as f64 / 1e9,
+        local.len()
+    );
+}
+
 #[test]
 fn otlp_and_parca_receive_what_the_local_sink_wrote() {
     if !can_run_bpf() {
@@ -71,7 +144,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
     let parca_out = rx.path().join("parca.jsonl");
     let _otlp = start_otlp_receiver(op, &otlp_out, &[]);
     let _parca = start_parca_receiver(pp, &parca_out, &["--token", TOKEN]);
-    let mut f = Firn::start_with("upl", FAST, |dir| {
+    let mut f = Firn::start_with("upl", &[FAST, &["--off-cpu"]].concat(), |dir| {
         let token = secret_file(dir, "token", &format!("{TOKEN}\n"));
         let mut a = strs(&["--otlp-endpoint"]);
         a.push(format!("http://127.0.0.1:{op}"));
@@ -86,12 +159,15 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
         a
     });
     let stripped = stripped_busy();
+    let waits = compile_plain("gcc", "offcpu.c", "offcpu-gcc", &["-O2", "-g", "-pthread"]);
     let mut w1 = start_workload(&workload("busy"), &["5"]);
     let mut w2 = start_workload(&stripped, &["5"]);
-    let (pid, spid) = (w1.pid(), w2.pid());
+    let mut w3 = start_workload(&waits, &["5"]);
+    let (pid, spid, wpid) = (w1.pid(), w2.pid(), w3.pid());
     w1.wait_exit(Duration::from_secs(30)).expect("busy ends");
     w2.wait_exit(Duration::from_secs(30))
         .expect("stripped busy ends");
+    w3.wait_exit(Duration::from_secs(30)).expect("offcpu ends");
     assert!(f.wait_profiles(pid, 2, Duration::from_secs(15)).len() >= 2);
     // Every local round of the workload arrives at both receivers.
     let caught_up = wait_until(Duration::from_secs(30), || {
@@ -192,6 +268,7 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
         .filter_map(|n| n.as_str().map(str::to_string))
         .collect();
     assert!(names.contains("hot_leaf"), "{names:?}");
+    off_cpu_arrived(&f, wpid, &otlp_out, &parca_out);
 
     // Debuginfo: the stripped binary, whose frames stayed addresses, was uploaded whole;
     // the named one was not.
@@ -470,71 +547,7 @@ fn otlp_over_tls_trusts_the_given_ca_only() {
         return;
     }
     let rx = TempDir::new("upl-tls-rx");
-    let d = rx.path();
-    let (ca, cert, key) = (d.join("ca.pem"), d.join("cert.pem"), d.join("key.pem"));
-    let ext = readable_file(
-        d,
-        "leaf.ext",
-        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
-    );
-    // A CA, and a server certificate it signs (webpki refuses a self-signed leaf).
-    let p = |s: &Path| s.display().to_string();
-    for args in [
-        vec![
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=firn test CA",
-            "-keyout",
-            &p(&d.join("ca.key")),
-            "-out",
-            &p(&ca),
-        ],
-        vec![
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=localhost",
-            "-keyout",
-            &p(&key),
-            "-out",
-            &p(&d.join("leaf.csr")),
-        ],
-        vec![
-            "x509",
-            "-req",
-            "-in",
-            &p(&d.join("leaf.csr")),
-            "-CA",
-            &p(&ca),
-            "-CAkey",
-            &p(&d.join("ca.key")),
-            "-CAcreateserial",
-            "-days",
-            "1",
-            "-extfile",
-            &p(&ext),
-            "-out",
-            &p(&cert),
-        ],
-    ] {
-        let out = Command::new("openssl")
-            .args(&args)
-            .output()
-            .expect("openssl");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let (ca, cert, key) = test_certificates(rx.path());
     let op = free_port();
     let otlp_out = rx.path().join("otlp.jsonl");
     let _otlp = start_otlp_receiver(

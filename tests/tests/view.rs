@@ -1,6 +1,8 @@
 //! End-to-end test of the local web view (issue: web view): the real sampler and
 //! enricher, a real headless Chromium (Debian's, through chromedriver and selenium:
-//! `tests/web/view_check.py`), and `go tool pprof` reading what the page offers.
+//! `tests/web/view_check.py`), and `go tool pprof` reading what the page offers. The
+//! sampler measures off-CPU time too, so the page's off-CPU switch is checked on a
+//! program that waits beside the busy one.
 
 use std::process::Command;
 use std::time::Duration;
@@ -12,10 +14,13 @@ fn the_page_shows_the_machine_narrows_to_a_process_and_downloads_pprof() {
     if !can_run_bpf() {
         return;
     }
-    let f = Firn::start("view", &["--frequency", "99", "--round", "2"]);
-    // Two programs, so that the machine view has more than one to choose from.
+    let f = Firn::start("view", &["--frequency", "99", "--round", "2", "--off-cpu"]);
+    // Two programs, so that the machine view has more than one to choose from, and one
+    // that waits (on a pipe, a mutex, asleep) for the off-CPU switch.
+    let waits = compile_plain("gcc", "offcpu.c", "offcpu-gcc", &["-O2", "-g", "-pthread"]);
     let mut busy = start_workload(&workload("busy"), &["8"]);
     let mut other = start_workload(&workload("chain"), &["8"]);
+    let mut waiting = start_workload(&waits, &["8"]);
     let pid = busy.pid();
     assert!(f.wait_profiles(pid, 3, Duration::from_secs(20)).len() >= 3);
     let shots = repo_root().join("target/view-screenshots");
@@ -31,6 +36,7 @@ fn the_page_shows_the_machine_narrows_to_a_process_and_downloads_pprof() {
             "--pid",
             &pid.to_string(),
         ])
+        .args(["--offcpu-pid", &waiting.pid().to_string()])
         .args(["--function", "hot_leaf", "--shots"])
         .arg(&shots)
         .arg("--pprof-out")
@@ -39,6 +45,7 @@ fn the_page_shows_the_machine_narrows_to_a_process_and_downloads_pprof() {
         .expect("run tests/web/view_check.py (tests/setup-tools.sh installs it)");
     busy.wait_exit(Duration::from_secs(30));
     other.wait_exit(Duration::from_secs(30));
+    waiting.wait_exit(Duration::from_secs(30));
     assert!(
         out.status.success(),
         "the browser check failed:\n{}\n{}",

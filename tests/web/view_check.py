@@ -3,8 +3,11 @@ enricher's web view and checks what a person would see. Run by tests/tests/view.
 
 Checks: the page loads without console errors; the flame graph names the workload's
 functions; choosing a process narrows every part of the page to it; search highlights
-frames; the download link serves a pprof (saved for `go tool pprof`); a window over the
-hour is refused with a message. Screenshots go to --shots.
+frames; the download link serves a pprof (saved for `go tool pprof`); with --offcpu-pid
+(the sampler's --off-cpu), the off-CPU switch shows where that process waited, in the
+off-CPU colour and the top table, and "both" shows it beside the on-CPU function, a
+choice that survives a redraw and a reload; a window over the hour and an unknown mode
+are refused with a message. Screenshots go to --shots.
 """
 import argparse
 import json
@@ -64,6 +67,97 @@ def names(d):
     return attrs(d, "data-name")
 
 
+WAITS = ("wait_pipe", "wait_mutex", "wait_sleep")
+
+
+def frames(d):
+    """(name, off-CPU attribute, fill, width) of every frame of the flame graph, in one
+    script."""
+    return d.execute_script(
+        "return Array.from(document.querySelectorAll('#flame-svg rect[data-name]'),"
+        " r => [r.dataset.name, r.dataset.off || '', r.getAttribute('fill'), Number(r.getAttribute('width'))]);")
+
+
+def widest(fr, name):
+    """The widest frame of that name: where most of its time is."""
+    return max((f for f in fr if f[0] == name), key=lambda f: f[3])
+
+
+def nodes(d, name):
+    """Every call tree node of that name: [path, weight, off-CPU part]."""
+    return d.execute_script("""
+        const v = window.__firnView(), out = [];
+        const walk = (n, path) => {
+            const p = path.concat([v.names[n[0]]]);
+            if (v.names[n[0]] === arguments[0]) out.push([p.join(' > '), n[1], n[3]]);
+            n[2].forEach((c) => walk(c, p));
+        };
+        walk(v.tree, []);
+        return out;""", name)
+
+
+def mode(d, m):
+    """Switches the view to mode m and waits for the answer drawn in it."""
+    click(d, f"the {m} switch", f'#mode button[data-mode="{m}"]')
+    wait(f"the {m} view", lambda: d.execute_script(
+        "const v = window.__firnView(); return v && v.mode === arguments[0] &&"
+        " document.querySelector('#mode button[aria-pressed=true]').dataset.mode === arguments[0];", m))
+
+
+def off_cpu(d, a, report):
+    """The off-CPU switch: off, then both, then a redraw and a reload."""
+    click(d, "reset", "#reset")
+    wait("no filter", lambda: "pid=" not in d.current_url)
+    assert d.execute_script("return window.__firnView().off_cpu;"), "the window measured no off-CPU time"
+    mode(d, "off")
+    assert "mode=off" in d.current_url, d.current_url
+    wait("the waits in the off-CPU flame graph", lambda: all(w in names(d) for w in WAITS))
+    title = d.find_element(By.ID, "chart-title").text
+    assert "Off-CPU" in title, title
+    assert "ms" in d.find_element(By.ID, "top-unit").text
+    legend = d.find_element(By.ID, "legend").text
+    assert "off-CPU" in legend, legend
+    d.save_screenshot(f"{a.shots}/view-offcpu.png")
+    # The waiting process alone: its waits lead the top table, in the off-CPU colour.
+    click(d, "the waiting process", f'#processes tr[data-pid="{a.offcpu_pid}"]')
+    wait("one process", lambda: d.execute_script(
+        "return Array.from(document.querySelectorAll('#processes tbody tr'), r => r.dataset.pid);")
+        == [a.offcpu_pid])
+    top = d.execute_script("return Array.from(document.querySelectorAll('#top tbody td.fn'), t => t.title);")
+    assert all(w in top for w in WAITS), f"top functions off CPU: {top[:20]}"
+    fr = [f for f in frames(d) if f[0] in WAITS]
+    # The off-CPU colour: violet (hue 255–279), whatever ran the frame.
+    assert fr and all(off == "1" and 255 <= int(f[4:f.index(",")]) < 280 for _, off, f, _ in fr), fr
+    report["offcpu_top"] = top[:8]
+    report["offcpu_share"] = d.execute_script(
+        "const v = window.__firnView(); return [v.total, v.off_total, v.unit];")
+    # Both: the on-CPU function and the waits side by side, each in its colour.
+    click(d, "the pid filter", "#pid-filter")
+    wait("no filter", lambda: "pid=" not in d.current_url)
+    mode(d, "wall")
+    wait("hot_leaf and the waits together", lambda: all(w in names(d) for w in WAITS + (a.function,)))
+    # The waits are off CPU all but wholly, in its colour where most of their time is.
+    # The busy leaf ran; on a loaded machine it also waits for a CPU (the sampler counts
+    # a switch at the return to user mode as off-CPU), so only its on-CPU part is sure.
+    fr = frames(d)
+    assert all(widest(fr, w)[1] == "1" for w in WAITS), f"a wait not coloured off-CPU: {nodes(d, WAITS[0])}"
+    leaf = max(nodes(d, a.function), key=lambda n: n[1])
+    assert leaf[2] < leaf[1], f"no on-CPU time in {leaf}"
+    report["wall_leaf_off_share"] = round(leaf[2] / leaf[1], 3)
+    report["wall"] = d.execute_script(
+        "const v = window.__firnView(); return [v.total, v.off_total, v.unit];")
+    d.save_screenshot(f"{a.shots}/view-both.png")
+    # A redraw (resize) and a reload keep the choice: it is in the URL's # part.
+    d.execute_script("window.dispatchEvent(new Event('resize'));")
+    d.refresh()
+    wait("the reloaded page in both", lambda: d.execute_script(
+        "const v = window.__firnView(); return v && v.mode === 'wall';"))
+    assert "mode=wall" in d.current_url, d.current_url
+    pressed = d.find_element(By.CSS_SELECTOR, "#mode button[aria-pressed=true]").get_attribute("data-mode")
+    assert pressed == "wall", pressed
+    wait("the waits after the reload", lambda: all(w in names(d) for w in WAITS + (a.function,)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -72,6 +166,7 @@ def main():
     ap.add_argument("--function", required=True, help="a function of the workload, e.g. hot_leaf")
     ap.add_argument("--shots", required=True)
     ap.add_argument("--pprof-out", required=True)
+    ap.add_argument("--offcpu-pid", help="a process waiting off CPU (the sampler runs with --off-cpu)")
     a = ap.parse_args()
     d = browser()
     report = {}
@@ -130,6 +225,9 @@ def main():
         open(a.pprof_out, "wb").write(body)
         report["pprof_bytes"] = len(body)
 
+        if a.offcpu_pid:
+            off_cpu(d, a, report)
+
         # Too large a window is refused with a message, shown on the page too.
         try:
             req = urllib.request.Request(a.url + "/api/view?minutes=120", headers=auth)
@@ -139,6 +237,13 @@ def main():
             msg = e.read().decode()
             assert e.code == 400 and "60" in msg, (e.code, msg)
             report["refusal"] = msg.strip()
+        try:
+            req = urllib.request.Request(a.url + "/api/view?mode=both", headers=auth)
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError("mode=both was accepted")
+        except urllib.error.HTTPError as e:
+            msg = e.read().decode()
+            assert e.code == 400 and "wall" in msg, (e.code, msg)
         d.get(a.url + "/?again#minutes=120")  # a new document, not a hash change
         wait("the refusal on the page", lambda: d.find_element(By.ID, "error").is_displayed())
         report["page_refusal"] = d.find_element(By.ID, "error").text

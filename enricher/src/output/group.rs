@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::model::{LabelSet, Round};
-use crate::pprof;
+use crate::pprof::{self, SampleTypes};
 use crate::settings::ProfileBy;
 
 pub struct Encoded {
@@ -51,39 +51,57 @@ pub fn groups(round: &Round, by: ProfileBy) -> Groups {
     groups.into_iter().map(|((l, _), idx)| (l, idx)).collect()
 }
 
+/// Every group's profile as the local files carry it: on-CPU, and off-CPU as a third
+/// sample type when the round measured it.
 pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
-    let mut out = Vec::with_capacity(groups.len());
-    for (group, (labels, idx)) in groups.iter().enumerate() {
-        let mut b = pprof::Builder::new(round.frequency_hz, round.start_ns, round.end_ns);
-        if round.off_cpu {
-            b = b.with_off_cpu();
-        }
-        for (k, v) in labels.iter() {
-            b.comment(&format!("{k}={v}"));
-        }
-        for &i in idx {
-            let s = &round.stacks[i];
-            if Arc::ptr_eq(&s.labels, labels) {
-                b.add(s);
-            } else {
-                // Merged group: the samples carry the group's labels.
-                b.add(&crate::model::StackSample {
-                    labels: labels.clone(),
-                    ..s.clone()
-                });
-            }
-        }
-        let p = b.finish();
-        let samples = pprof::sample_count(&p);
-        match pprof::encode_gz(&p) {
-            Ok(gz) => out.push(Encoded {
-                group,
+    let types = match round.off_cpu {
+        true => SampleTypes::OnAndOffCpu,
+        false => SampleTypes::OnCpu,
+    };
+    groups
+        .iter()
+        .enumerate()
+        .filter_map(|(g, (labels, idx))| encode(round, g, labels, idx, types))
+        .collect()
+}
+
+/// Group `group`'s profile of `types` (a backend that wants another dialect than the
+/// local files' encodes its own).
+pub(crate) fn encode(
+    round: &Round,
+    group: usize,
+    labels: &Arc<LabelSet>,
+    idx: &[usize],
+    types: SampleTypes,
+) -> Option<Encoded> {
+    let mut b = pprof::Builder::of(types, round.frequency_hz, round.start_ns, round.end_ns);
+    for (k, v) in labels.iter() {
+        b.comment(&format!("{k}={v}"));
+    }
+    for &i in idx {
+        let s = &round.stacks[i];
+        if Arc::ptr_eq(&s.labels, labels) {
+            b.add(s);
+        } else {
+            // Merged group: the samples carry the group's labels.
+            b.add(&crate::model::StackSample {
                 labels: labels.clone(),
-                samples,
-                gz: Arc::new(gz),
-            }),
-            Err(e) => tracing::warn!(error = %e, "encoding a profile"),
+                ..s.clone()
+            });
         }
     }
-    out
+    let p = b.finish();
+    let samples = pprof::sample_count(&p);
+    match pprof::encode_gz(&p) {
+        Ok(gz) => Some(Encoded {
+            group,
+            labels: labels.clone(),
+            samples,
+            gz: Arc::new(gz),
+        }),
+        Err(e) => {
+            tracing::warn!(error = %e, "encoding a profile");
+            None
+        }
+    }
 }

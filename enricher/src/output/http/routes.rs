@@ -263,10 +263,11 @@ pub(super) async fn host_cpu(
         let start = rounds
             .first()
             .map_or(from, |r| r.start_ns.min(from.max(r.start_ns)));
-        let mut b = profile::Builder::new(freq, start, now);
-        if rounds.iter().any(|r| r.off_cpu) {
-            b = b.with_off_cpu();
-        }
+        let types = match rounds.iter().any(|r| r.off_cpu) {
+            true => profile::SampleTypes::OnAndOffCpu,
+            false => profile::SampleTypes::OnCpu,
+        };
+        let mut b = profile::Builder::of(types, freq, start, now);
         for r in &rounds {
             for st in &r.stacks {
                 let matches = matchers

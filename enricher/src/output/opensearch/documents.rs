@@ -80,8 +80,10 @@ pub fn encode(
     let round_key = request_id(round.end_ns, round.round);
     let mut out = Vec::new();
     let mut enc = Encoding::default();
-    // (samples, profile index, frames leaf first) of every distinct stack.
-    let mut all_stacks: Vec<(u64, usize, Vec<Arc<str>>)> = Vec::new();
+    // Distinct stacks ranked apart, heaviest first: on-CPU by samples, off-CPU by
+    // nanoseconds (which would crowd samples out in one ranking).
+    let mut on_cpu: Vec<Ranked> = Vec::new();
+    let mut off_cpu: Vec<Ranked> = Vec::new();
     let mut profile_ids = Vec::with_capacity(groups.len());
     let mut names = Vec::new();
     for (g, (labels, idx)) in groups.iter().enumerate() {
@@ -93,13 +95,16 @@ pub fn encode(
             label_key.push(0);
         }
         let profile_id = hex_id(&[round_key.as_bytes(), &label_key]);
-        let mut stacks: HashMap<Vec<Arc<str>>, u64> = HashMap::new();
+        // Per distinct stack: (samples, off-CPU ns).
+        let mut stacks: HashMap<Vec<Arc<str>>, (u64, u64)> = HashMap::new();
         let mut leaf: HashMap<Arc<str>, u64> = HashMap::new();
-        let mut samples = 0u64;
+        let mut leaf_off: HashMap<Arc<str>, u64> = HashMap::new();
+        let (mut samples, mut off_ns) = (0u64, 0u64);
         for &i in idx {
             let s = &round.stacks[i];
-            if s.count == 0 {
-                continue; // off-CPU time: not a field of these documents yet
+            let off = if round.off_cpu { s.off_cpu_ns } else { 0 };
+            if s.count == 0 && off == 0 {
+                continue;
             }
             names.clear();
             for fr in s.frames.iter().rev() {
@@ -108,14 +113,20 @@ pub fn encode(
             names.reverse();
             names.truncate(MAX_FRAMES);
             samples = samples.saturating_add(s.count);
+            off_ns = off_ns.saturating_add(off);
             if let Some(l) = names.first() {
-                *leaf.entry(l.clone()).or_insert(0) += s.count;
+                if s.count > 0 {
+                    *leaf.entry(l.clone()).or_insert(0) += s.count;
+                }
+                if off > 0 {
+                    let e = leaf_off.entry(l.clone()).or_insert(0);
+                    *e = e.saturating_add(off);
+                }
             }
-            *stacks.entry(names.clone()).or_insert(0) += s.count;
+            let e = stacks.entry(names.clone()).or_insert((0, 0));
+            e.0 += s.count;
+            e.1 = e.1.saturating_add(off);
         }
-        let mut top: Vec<(Arc<str>, u64)> = leaf.into_iter().collect();
-        top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        top.truncate(TOP_FUNCTIONS);
         let file = layout.link(g);
         let mut doc = json!({
             "doc_type": "profile",
@@ -131,24 +142,29 @@ pub fn encode(
             "cpu_ns": samples.saturating_mul(period_ns),
             "frequency_hz": round.frequency_hz,
             "distinct_stacks": stacks.len(),
-            "top_functions": top.iter().map(|(n, c)| json!({"function": n.as_ref(), "samples": c})).collect::<Vec<_>>(),
+            "top_functions": top(leaf, "samples"),
             "pprof_file": file,
             "pprof_url": format!("{}/rounds/{file}", f.pprof_base),
         });
+        if round.off_cpu {
+            doc["off_cpu_ns"] = json!(off_ns);
+            doc["off_cpu_top_functions"] = top(leaf_off, "off_cpu_ns");
+        }
         add_labels_top(&mut doc, labels);
         push_pair(&mut out, &index, &profile_id, &doc);
         enc.profiles += 1;
         profile_ids.push((profile_id, labels.clone()));
-        for (frames, count) in stacks {
-            all_stacks.push((count, g, frames));
+        for (frames, (count, off)) in stacks {
+            match count {
+                0 => off_cpu.push((off, g, frames, (count, off))),
+                _ => on_cpu.push((count, g, frames, (count, off))),
+            }
         }
     }
-    all_stacks.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.2.cmp(&b.2)));
-    let distinct = all_stacks.len();
-    all_stacks.truncate(f.max_stacks);
+    let distinct = on_cpu.len() + off_cpu.len();
     let mut key = Vec::new();
     let mut pair = Vec::new();
-    for (count, g, frames) in all_stacks {
+    for (_, g, frames, (count, off)) in alternate(on_cpu, off_cpu).take(f.max_stacks) {
         let (profile_id, labels) = &profile_ids[g];
         key.clear();
         for fr in &frames {
@@ -170,6 +186,9 @@ pub fn encode(
             "samples": count,
             "cpu_ns": count.saturating_mul(period_ns),
         });
+        if round.off_cpu {
+            doc["off_cpu_ns"] = json!(off);
+        }
         add_labels_top(&mut doc, labels);
         pair.clear();
         push_pair(&mut pair, &index, &id, &doc);
@@ -182,6 +201,37 @@ pub fn encode(
     }
     enc.stacks_left_out = distinct - enc.stacks;
     Some((out, enc))
+}
+
+/// A distinct stack: (its rank's weight, profile index, frames leaf first, (samples,
+/// off-CPU ns)).
+type Ranked = (u64, usize, Vec<Arc<str>>, (u64, u64));
+
+/// Both rankings sorted heaviest first and taken in turns, so that the stack and byte
+/// bounds leave out the lightest of each.
+fn alternate(mut a: Vec<Ranked>, mut b: Vec<Ranked>) -> impl Iterator<Item = Ranked> {
+    for v in [&mut a, &mut b] {
+        v.sort_by(|x, y| y.0.cmp(&x.0).then_with(|| x.2.cmp(&y.2)));
+    }
+    let (mut a, mut b) = (a.into_iter(), b.into_iter());
+    let mut turn = false;
+    std::iter::from_fn(move || {
+        turn = !turn;
+        match turn {
+            true => a.next().or_else(|| b.next()),
+            false => b.next().or_else(|| a.next()),
+        }
+    })
+}
+
+/// The heaviest leaf functions as `[{function, <unit>}]`.
+fn top(leaf: HashMap<Arc<str>, u64>, unit: &str) -> Value {
+    let mut top: Vec<(Arc<str>, u64)> = leaf.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    top.truncate(TOP_FUNCTIONS);
+    top.iter()
+        .map(|(n, c)| json!({"function": n.as_ref(), unit: c}))
+        .collect()
 }
 
 /// The labels Dashboards charts split by most, also at the top level (`comm`,
@@ -215,6 +265,11 @@ fn push_pair(out: &mut Vec<u8>, index: &str, id: &str, doc: &Value) {
     out.push(b'\n');
 }
 
+/// The version of the template's mappings, in its `_meta.mapping`: bumped when a field
+/// is added, so that an upgraded enricher knows an installed template (and the indices
+/// made from it) need the new fields. 1 (no `mapping` key): before off-CPU time.
+pub(crate) const MAPPING_VERSION: u64 = 2;
+
 /// The index template: explicit mappings for every field the documents carry; labels
 /// are keywords whatever their names (a dynamic template, not dynamic mapping's
 /// guesses), and anything else is refused (`dynamic: strict`).
@@ -228,6 +283,8 @@ pub(crate) fn template(prefix: &str) -> Value {
         "labels": {"type": "object", "dynamic": true},
         "samples": long, "cpu_ns": long, "frequency_hz": long, "distinct_stacks": long,
         "top_functions": {"properties": {"function": kw, "samples": long}},
+        "off_cpu_ns": long,
+        "off_cpu_top_functions": {"properties": {"function": kw, "off_cpu_ns": long}},
         "pprof_file": kw, "pprof_url": kw,
         "frames": kw, "leaf": kw, "depth": long,
     });
@@ -237,7 +294,11 @@ pub(crate) fn template(prefix: &str) -> Value {
     json!({
         "index_patterns": [format!("{prefix}-*")],
         "priority": 100,
-        "_meta": {"created_by": "firn-enricher", "version": env!("CARGO_PKG_VERSION")},
+        "_meta": {
+            "created_by": "firn-enricher",
+            "version": env!("CARGO_PKG_VERSION"),
+            "mapping": MAPPING_VERSION,
+        },
         "template": {
             "settings": {"number_of_shards": 1, "refresh_interval": "10s"},
             "mappings": {
@@ -324,6 +385,7 @@ mod tests {
             (Some(11), Some(110_000_000))
         );
         assert_eq!(p["top_functions"][0]["function"], "leaf");
+        assert!(p.get("off_cpu_ns").is_none(), "not measured: no field");
         assert_eq!(
             p["pprof_url"],
             "http://h:1/rounds/20261201T045000Z-r000003/pid-7.pb.gz"
@@ -342,6 +404,78 @@ mod tests {
         let (small, enc) = encode(&round, &groups, &layout, &f).unwrap();
         assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
         assert!(small.len() <= f.max_bytes);
+    }
+
+    /// Off-CPU time: fields of its own on both documents, and its stacks ranked apart
+    /// from the on-CPU ones, so that nanoseconds do not crowd samples out of the bound.
+    #[test]
+    fn off_cpu_fields_and_ranking() {
+        let off = |fns: &[&str], ns: u64| crate::model::StackSample {
+            off_cpu_ns: ns,
+            ..stack(fns, 0)
+        };
+        let round = Round {
+            session_id: 1,
+            round: 3,
+            start_ns: 1_796_100_600_000_000_000,
+            end_ns: 1_796_100_610_000_000_000,
+            frequency_hz: 100,
+            off_cpu: true,
+            stacks: vec![
+                stack(&["leaf", "main"], 5),
+                stack(&["other", "main"], 1),
+                off(&["pipe_read", "wait_pipe", "main"], 7_000_000_000),
+                off(&["pipe_read", "wait_pipe", "main"], 1_000_000_000),
+                off(&["do_nanosleep", "wait_sleep", "main"], 3_000_000_000),
+            ],
+        };
+        let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);
+        let layout = RoundLayout::new(&round, &groups);
+        let mut f = Format {
+            index_prefix: "p".into(),
+            max_stacks: 10,
+            max_bytes: 1 << 20,
+            pprof_base: "http://h:1".into(),
+        };
+        let docs = |f: &Format| -> (Vec<Value>, Encoding) {
+            let (body, enc) = encode(&round, &groups, &layout, f).unwrap();
+            let v = body
+                .split(|&b| b == b'\n')
+                .filter(|l| !l.is_empty())
+                .map(|l| serde_json::from_slice(l).unwrap())
+                .skip(1)
+                .step_by(2)
+                .collect();
+            (v, enc)
+        };
+        let (d, enc) = docs(&f);
+        assert_eq!((enc.stacks, enc.stacks_left_out), (4, 0));
+        let p = &d[0];
+        assert_eq!(p["samples"], 6);
+        assert_eq!(p["off_cpu_ns"], 11_000_000_000u64);
+        assert_eq!(p["top_functions"][0]["function"], "leaf");
+        assert_eq!(
+            p["off_cpu_top_functions"],
+            json!([
+                {"function": "pipe_read", "off_cpu_ns": 8_000_000_000u64},
+                {"function": "do_nanosleep", "off_cpu_ns": 3_000_000_000u64}
+            ])
+        );
+        let leaves: Vec<&str> = d[1..].iter().map(|s| s["leaf"].as_str().unwrap()).collect();
+        assert_eq!(leaves, ["leaf", "pipe_read", "other", "do_nanosleep"]);
+        assert_eq!(
+            (d[2]["samples"].as_u64(), d[2]["off_cpu_ns"].as_u64()),
+            (Some(0), Some(8_000_000_000))
+        );
+        assert_eq!(d[1]["off_cpu_ns"], 0);
+        // Two stacks a round: the heaviest of each kind, not the two of most weight.
+        f.max_stacks = 2;
+        let (d, enc) = docs(&f);
+        assert_eq!((enc.stacks, enc.stacks_left_out), (2, 2));
+        assert_eq!(
+            (d[1]["leaf"].as_str(), d[2]["leaf"].as_str()),
+            (Some("leaf"), Some("pipe_read"))
+        );
     }
 
     #[test]
@@ -363,6 +497,8 @@ mod tests {
             "labels",
             "samples",
             "cpu_ns",
+            "off_cpu_ns",
+            "off_cpu_top_functions",
             "frames",
             "leaf",
             "top_functions",

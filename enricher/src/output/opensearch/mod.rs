@@ -1,12 +1,14 @@
 //! OpenSearch sink: each round as one `_bulk` request (NDJSON) of documents, into daily
 //! indices `<prefix>-YYYY.MM.DD` whose index template (explicit mappings) is installed
-//! when absent.
+//! when absent, and upgraded with its indices when it is firn's own of an older mapping.
 //!
 //! - A **profile** document per profile: the round's time span, every label as a
-//!   keyword, samples, CPU nanoseconds, the top functions, a link to the pprof.
+//!   keyword, samples, CPU nanoseconds, the top functions, a link to the pprof; when the
+//!   sampler measured off-CPU time, `off_cpu_ns` and the top functions by it.
 //! - A **stack** document per distinct stack per profile: the frames leaf first, its
-//!   samples and CPU, the profile's labels. At most `--opensearch-max-stacks` a round
-//!   (the heaviest); the rest count in their profile documents only.
+//!   samples and CPU (and `off_cpu_ns`), the profile's labels. At most
+//!   `--opensearch-max-stacks` a round, the heaviest on-CPU and off-CPU stacks in
+//!   turns; the rest count in their profile documents only.
 //!
 //! Document ids are derived from the round, the labels and the frames, so a request
 //! sent twice (a retry after a lost answer, a restart) overwrites the same documents
@@ -30,6 +32,7 @@ use hyper_util::client::legacy::Client;
 use serde_json::Value;
 
 mod documents;
+mod template;
 
 use super::delivery::{Delivery, SendError, Transport};
 use super::{OutputError, Published, Sink};
@@ -426,39 +429,6 @@ impl OpenSearchTransport {
         } else {
             SendError::Reject(msg)
         }
-    }
-
-    /// Installs the index template unless OpenSearch has one of that name.
-    async fn ensure_template(&self) -> Result<(), SendError> {
-        let path = format!("/_index_template/{}", self.prefix);
-        let (status, body) = self
-            .call(Method::GET, &path, "application/json", Bytes::new())
-            .await?;
-        if status.is_success() {
-            self.template_ok.set(true);
-            return Ok(());
-        }
-        if status != StatusCode::NOT_FOUND {
-            return Err(Self::failed("looking up the index template", status, &body));
-        }
-        let (status, body) = self
-            .call(
-                Method::PUT,
-                &path,
-                "application/json",
-                self.template.clone(),
-            )
-            .await?;
-        if !status.is_success() {
-            // A refused template is a firn bug or a cluster policy: say it, and keep the
-            // documents (they would be mapped by guesswork without it).
-            let e = Self::failed("installing the index template", status, &body);
-            return Err(SendError::Retry(e.to_string()));
-        }
-        Metrics::inc(&self.global.opensearch_template_installs);
-        tracing::info!(template = %self.prefix, "OpenSearch index template installed");
-        self.template_ok.set(true);
-        Ok(())
     }
 
     async fn bulk(&self, body: Arc<Vec<u8>>) -> Result<(), SendError> {

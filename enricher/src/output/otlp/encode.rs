@@ -274,6 +274,23 @@ impl Dictionary {
     }
 }
 
+/// Values per stack of one profile, in the order the stacks first came.
+#[derive(Default)]
+struct Summed {
+    values: HashMap<i32, i64>,
+    order: Vec<i32>,
+}
+
+impl Summed {
+    fn add(&mut self, stack: i32, v: i64) {
+        let e = self.values.entry(stack).or_insert_with(|| {
+            self.order.push(stack);
+            0
+        });
+        *e = e.saturating_add(v);
+    }
+}
+
 /// A stable id for one profile of one round: a backend may deduplicate a request that
 /// arrives twice (sent, then the enricher died before it knew).
 fn profile_id(round: &Round, labels: &LabelSet, kind: &str) -> Vec<u8> {
@@ -308,36 +325,34 @@ pub fn encode(round: &Round, groups: &Groups) -> Option<Vec<u8>> {
         attributes: Vec::new(),
         dropped_attributes_count: 0,
     };
+    let off_cpu_t = round.off_cpu.then(|| dict.string("off_cpu"));
     let mut resource_profiles = Vec::with_capacity(groups.len());
     for (labels, idx) in groups {
-        // Equal stacks of the group sum into one sample.
-        let mut by_stack: HashMap<i32, i64> = HashMap::new();
-        let mut order = Vec::new();
+        // Equal stacks of the group sum into one sample: on-CPU samples and off-CPU
+        // nanoseconds apart (a stack has one or the other).
+        let (mut on, mut off) = (Summed::default(), Summed::default());
         for &i in idx {
             let s = &round.stacks[i];
-            if s.count == 0 {
-                continue; // off-CPU time: its own OTLP profile is for a later change
-            }
-            let stack = dict.stack(&s.frames);
-            let count = i64::try_from(s.count).unwrap_or(i64::MAX);
-            let e = by_stack.entry(stack).or_insert_with(|| {
-                order.push(stack);
-                0
-            });
-            *e = e.saturating_add(count);
+            let (sum, v) = match (s.count, s.off_cpu_ns) {
+                (0, ns) if ns > 0 && round.off_cpu => (&mut off, ns),
+                (0, _) => continue,
+                (n, _) => (&mut on, n),
+            };
+            sum.add(dict.stack(&s.frames), i64::try_from(v).unwrap_or(i64::MAX));
         }
-        let profile = |ty: i32, unit: i32, scale: i64, kind: &str| Profile {
+        let profile = |sum: &Summed, ty: i32, unit: i32, scale: i64, kind: &str| Profile {
             sample_type: Some(ValueType {
                 type_strindex: ty,
                 unit_strindex: unit,
             }),
-            samples: order
+            samples: sum
+                .order
                 .iter()
                 .map(|st| Sample {
                     stack_index: *st,
                     attribute_indices: Vec::new(),
                     link_index: 0,
-                    values: vec![by_stack[st].saturating_mul(scale)],
+                    values: vec![sum.values[st].saturating_mul(scale)],
                     timestamps_unix_nano: Vec::new(),
                 })
                 .collect(),
@@ -354,6 +369,19 @@ pub fn encode(round: &Round, groups: &Groups) -> Option<Vec<u8>> {
             original_payload: Vec::new(),
             attribute_indices: Vec::new(),
         };
+        let mut profiles = vec![
+            profile(&on, samples_t, count_t, 1, "samples"),
+            profile(&on, cpu_t, ns_t, period, "cpu"),
+        ];
+        if let Some(t) = off_cpu_t {
+            // Measured time, not a count of periods: no period type, as the
+            // OpenTelemetry profiler's off-CPU profiles.
+            profiles.push(Profile {
+                period_type: None,
+                period: 0,
+                ..profile(&off, t, ns_t, 1, "off_cpu")
+            });
+        }
         resource_profiles.push(ResourceProfiles {
             resource: Some(Resource {
                 attributes: resource_attributes(labels),
@@ -362,10 +390,7 @@ pub fn encode(round: &Round, groups: &Groups) -> Option<Vec<u8>> {
             }),
             scope_profiles: vec![ScopeProfiles {
                 scope: Some(scope.clone()),
-                profiles: vec![
-                    profile(samples_t, count_t, 1, "samples"),
-                    profile(cpu_t, ns_t, period, "cpu"),
-                ],
+                profiles,
                 schema_url: String::new(),
             }],
             schema_url: "https://opentelemetry.io/schemas/1.34.0".into(),
@@ -483,5 +508,83 @@ mod tests {
         let py = &d.location_table[stack.location_indices[2] as usize];
         assert_eq!(kind(py), s("cpython"));
         assert_eq!(py.lines[0].line, 7);
+    }
+
+    /// A round with off-CPU time: a third profile per resource, `off_cpu`/`nanoseconds`
+    /// without a period type, holding the off-CPU stacks only; the on-CPU two as before.
+    #[test]
+    fn off_cpu_time_is_a_third_profile() {
+        let labels: Arc<LabelSet> = Arc::new(vec![("pid".into(), "7".into())]);
+        let stack = |leaf: &str, count: u64, off_cpu_ns: u64| StackSample {
+            process_id: 7,
+            labels: labels.clone(),
+            frames: Arc::from(vec![Frame::Kernel(Arc::from(leaf))]),
+            count,
+            off_cpu_ns,
+        };
+        let mut round = Round {
+            session_id: 1,
+            round: 2,
+            start_ns: 10,
+            end_ns: 20,
+            frequency_hz: 100,
+            off_cpu: true,
+            stacks: vec![
+                stack("run", 2, 0),
+                stack("pipe_read", 0, 5_000),
+                stack("pipe_read", 0, 6_000),
+                stack("do_nanosleep", 0, 9_000),
+            ],
+        };
+        let decode = |round: &Round| {
+            let groups = crate::output::group::groups(round, crate::settings::ProfileBy::Process);
+            let bytes = encode(round, &groups).unwrap();
+            ExportProfilesServiceRequest::decode(bytes.as_slice()).unwrap()
+        };
+        let req = decode(&round);
+        let d = req.dictionary.as_ref().unwrap();
+        let s = |i: i32| d.string_table[i as usize].as_str();
+        let profiles = &req.resource_profiles[0].scope_profiles[0].profiles;
+        let types: Vec<(&str, &str)> = profiles
+            .iter()
+            .map(|p| {
+                let t = p.sample_type.as_ref().unwrap();
+                (s(t.type_strindex), s(t.unit_strindex))
+            })
+            .collect();
+        assert_eq!(
+            types,
+            [
+                ("samples", "count"),
+                ("cpu", "nanoseconds"),
+                ("off_cpu", "nanoseconds")
+            ]
+        );
+        assert_eq!(profiles[0].samples.len(), 1);
+        assert_eq!(profiles[1].samples[0].values, vec![2 * 10_000_000]);
+        let off = &profiles[2];
+        assert!(off.period_type.is_none());
+        assert_eq!(off.period, 0);
+        let leaf = |smp: &Sample| {
+            let st = &d.stack_table[smp.stack_index as usize];
+            let loc = &d.location_table[st.location_indices[0] as usize];
+            s(d.function_table[loc.lines[0].function_index as usize].name_strindex)
+        };
+        let got: Vec<(&str, Vec<i64>)> = off
+            .samples
+            .iter()
+            .map(|x| (leaf(x), x.values.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [("pipe_read", vec![11_000]), ("do_nanosleep", vec![9_000])]
+        );
+        assert_ne!(off.profile_id, profiles[1].profile_id);
+        // Not measured: the two on-CPU profiles alone, and stray off-CPU values ignored.
+        round.off_cpu = false;
+        let req = decode(&round);
+        let profiles = &req.resource_profiles[0].scope_profiles[0].profiles;
+        assert_eq!(profiles.len(), 2);
+        assert_eq!(profiles[0].samples.len(), 1);
     }
 }

@@ -9,6 +9,16 @@
 //! addresses and mappings their start, limit and file offset, which the server
 //! normalizes. `executable_info` is not sent (it must cover every mapping, and the
 //! kernel's mapping has no ELF header to describe).
+//!
+//! Off-CPU time (the sampler's `--off-cpu`) goes as Parca Agent sends it: sample type
+//! `wallclock`/`nanoseconds`, period type `samples`/`count`, which Parca shows as
+//! `parca_agent:wallclock:nanoseconds:samples:count:delta` (its Off-CPU profile).
+//! Parca's normalizer names every sample type of a pprof with the pprof's one period
+//! type, so the local files' three-type pprof would become a meaningless
+//! `off_cpu:nanoseconds:cpu:nanoseconds`: a round with off-CPU time sends each series
+//! an on-CPU pprof and, when the profile waited at all, a wallclock pprof, as two
+//! `RawSample`s of the one series. One series, not two with equal labels: the series
+//! is the label set, and each raw profile brings its own profile type.
 
 mod debuginfo;
 mod proto;
@@ -24,11 +34,12 @@ use tonic::metadata::{AsciiMetadataKey, AsciiMetadataValue};
 use tonic::transport::Channel;
 
 use super::delivery::{Delivery, SendError, Transport};
-use super::group::Encoded;
+use super::group::{self, Encoded, Groups};
 use super::{grpc, OutputError, Published, Sink};
 use crate::credentials::{CredentialError, SecretFile};
 use crate::metrics::{Metrics, SinkMetrics};
-use crate::model::Frame;
+use crate::model::{Frame, Round};
+use crate::pprof::SampleTypes;
 use crate::settings::{DebuginfoMode, Settings};
 use proto::{Label, LabelSet, RawProfileSeries, RawSample, WriteRawRequest, WriteRawResponse};
 
@@ -89,7 +100,8 @@ struct ParcaSink {
 impl Sink for ParcaSink {
     fn round(&mut self, p: &Published<'_>) {
         let t0 = std::time::Instant::now();
-        self.delivery.push_round(p.round, encode(p.profiles), t0);
+        self.delivery
+            .push_round(p.round, encode(p.round, p.groups, p.profiles), t0);
         if let Some(di) = &self.debuginfo {
             offer_debuginfo(di, p, &self.metrics);
         }
@@ -191,20 +203,39 @@ pub(crate) fn labels(firn: &crate::model::LabelSet) -> Vec<Label> {
 }
 
 /// The round's profiles as one encoded `WriteRawRequest` (None: no profiles).
-pub fn encode(profiles: &[Encoded]) -> Option<Vec<u8>> {
+pub fn encode(round: &Round, groups: &Groups, profiles: &[Encoded]) -> Option<Vec<u8>> {
     if profiles.is_empty() {
         return None;
     }
+    let raw = |gz: &[u8]| RawSample {
+        raw_profile: gz.to_vec(),
+        executable_info: Vec::new(),
+    };
     let series = profiles
         .iter()
-        .map(|p| RawProfileSeries {
-            labels: Some(LabelSet {
-                labels: labels(&p.labels),
-            }),
-            samples: vec![RawSample {
-                raw_profile: p.gz.to_vec(),
-                executable_info: Vec::new(),
-            }],
+        .map(|p| {
+            let samples = match (round.off_cpu, groups.get(p.group)) {
+                (true, Some((labels, idx))) => {
+                    let waited = idx.iter().any(|&i| round.stacks[i].off_cpu_ns > 0);
+                    let kinds: &[SampleTypes] = match waited {
+                        true => &[SampleTypes::OnCpu, SampleTypes::OffCpuWallclock],
+                        false => &[SampleTypes::OnCpu],
+                    };
+                    kinds
+                        .iter()
+                        .filter_map(|&t| group::encode(round, p.group, labels, idx, t))
+                        .map(|e| raw(&e.gz))
+                        .collect()
+                }
+                // Without off-CPU time the local file's bytes are Parca's pprof.
+                _ => vec![raw(&p.gz)],
+            };
+            RawProfileSeries {
+                labels: Some(LabelSet {
+                    labels: labels(&p.labels),
+                }),
+                samples,
+            }
         })
         .collect();
     Some(
@@ -321,10 +352,97 @@ mod tests {
             samples: 1,
             gz: Arc::new(vec![1, 2, 3]),
         };
-        let bytes = encode(&[enc]).unwrap();
+        let round = round(false, Vec::new());
+        let bytes = encode(&round, &Vec::new(), &[enc]).unwrap();
         let req = WriteRawRequest::decode(bytes.as_slice()).unwrap();
         assert!(!req.normalized);
         assert_eq!(req.series[0].samples[0].raw_profile, vec![1, 2, 3]);
+    }
+
+    fn round(off_cpu: bool, stacks: Vec<crate::model::StackSample>) -> Round {
+        Round {
+            session_id: 1,
+            round: 1,
+            start_ns: 0,
+            end_ns: 1_000_000_000,
+            frequency_hz: 100,
+            off_cpu,
+            stacks,
+        }
+    }
+
+    fn stack(pid: &str, count: u64, off_cpu_ns: u64) -> crate::model::StackSample {
+        crate::model::StackSample {
+            process_id: pid.parse().unwrap(),
+            labels: Arc::new(vec![("pid".into(), pid.into())]),
+            frames: Arc::from(vec![Frame::Kernel(Arc::from("schedule"))]),
+            count,
+            off_cpu_ns,
+        }
+    }
+
+    /// (sample types, period type, period, values) of a raw gzip pprof.
+    fn read(gz: &[u8]) -> (Vec<String>, String, i64, Vec<Vec<i64>>) {
+        use std::io::Read;
+        let mut raw = Vec::new();
+        flate2::read::GzDecoder::new(gz)
+            .read_to_end(&mut raw)
+            .unwrap();
+        let p = <pprof::protos::Profile as prost::Message>::decode(raw.as_slice()).unwrap();
+        let s = |i: i64| p.string_table[i as usize].clone();
+        let vt = |t: &pprof::protos::ValueType| format!("{}/{}", s(t.ty), s(t.unit));
+        (
+            p.sample_type.iter().map(vt).collect(),
+            p.period_type.as_ref().map(vt).unwrap_or_default(),
+            p.period,
+            p.sample.iter().map(|x| x.value.clone()).collect(),
+        )
+    }
+
+    /// With off-CPU time a series carries an on-CPU pprof and, when its profile waited,
+    /// a wallclock one (Parca Agent's off-CPU type); without it, the local file's bytes.
+    #[test]
+    fn off_cpu_time_is_a_wallclock_pprof_of_its_own() {
+        let r = round(
+            true,
+            vec![stack("1", 3, 0), stack("1", 0, 7_000), stack("2", 2, 0)],
+        );
+        let groups = group::groups(&r, crate::settings::ProfileBy::Process);
+        let profiles = group::per_label_set(&r, &groups);
+        let req =
+            WriteRawRequest::decode(encode(&r, &groups, &profiles).unwrap().as_slice()).unwrap();
+        let of = |pid: &str| {
+            req.series
+                .iter()
+                .find(|s| {
+                    s.labels
+                        .as_ref()
+                        .unwrap()
+                        .labels
+                        .iter()
+                        .any(|l| l.value == pid)
+                })
+                .unwrap()
+        };
+        let one = &of("1").samples;
+        assert_eq!(one.len(), 2);
+        let cpu = read(&one[0].raw_profile);
+        assert_eq!(cpu.0, ["samples/count", "cpu/nanoseconds"]);
+        assert_eq!((cpu.1.as_str(), cpu.2), ("cpu/nanoseconds", 10_000_000));
+        assert_eq!(cpu.3, vec![vec![3, 30_000_000]]);
+        let wall = read(&one[1].raw_profile);
+        assert_eq!(wall.0, ["wallclock/nanoseconds"]);
+        assert_eq!((wall.1.as_str(), wall.2), ("samples/count", 1));
+        assert_eq!(wall.3, vec![vec![7_000]]);
+        assert_eq!(of("2").samples.len(), 1, "a profile that never waited");
+        // Without off-CPU time: the local sink's bytes, one raw sample a series.
+        let r = round(false, vec![stack("1", 3, 0)]);
+        let groups = group::groups(&r, crate::settings::ProfileBy::Process);
+        let profiles = group::per_label_set(&r, &groups);
+        let req =
+            WriteRawRequest::decode(encode(&r, &groups, &profiles).unwrap().as_slice()).unwrap();
+        assert_eq!(req.series[0].samples.len(), 1);
+        assert_eq!(req.series[0].samples[0].raw_profile, *profiles[0].gz);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-// firn's local web view: one query (/api/view) per change of window or filter; the
-// flame graph, the CPU chart and the tables are drawn here as SVG and HTML, no library.
+// firn's local web view: one query (/api/view) per change of window, mode or filter;
+// the flame graph, the chart and the tables are drawn here as SVG and HTML, no library.
 "use strict";
 
 const FILTERS = [["comm", "comm"], ["executable", "executable"], ["container_id", "container"],
@@ -8,7 +8,17 @@ const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2"
 const ROW = 17;
 const SVG = "http://www.w3.org/2000/svg";
 
-const state = { minutes: 5, filters: {}, view: null, zoom: [], search: "" };
+const state = { minutes: 5, mode: "cpu", filters: {}, view: null, zoom: [], search: "" };
+// What each mode weighs: on-CPU samples, off-CPU time, or both as wall time.
+const MODES = {
+    cpu: { chart: "CPU over time", per: "ms of CPU per second", top: "samples",
+           tip: "on-CPU: where threads ran (samples)" },
+    off: { chart: "Off-CPU time over time", per: "ms waited off CPU per second", top: "ms off CPU",
+           tip: "off-CPU: where threads waited (blocked), in time" },
+    wall: { chart: "Wall time over time", per: "ms on + off CPU per second", top: "ms of wall time",
+            tip: "both: wall time = on-CPU samples × period + off-CPU time" },
+};
+const NO_OFF_CPU = "no round in this window measured off-CPU time (firn-sampler --off-cpu)";
 const $ = (id) => document.getElementById(id);
 
 function el(tag, attrs, text) {
@@ -20,6 +30,7 @@ function el(tag, attrs, text) {
 
 function query() {
     const p = new URLSearchParams({ minutes: String(state.minutes) });
+    if (state.mode !== "cpu") p.set("mode", state.mode);
     for (const [k, v] of Object.entries(state.filters)) if (v) p.set(k, v);
     return p;
 }
@@ -31,7 +42,9 @@ function saveHash() {
 function loadHash() {
     const p = new URLSearchParams(location.hash.slice(1));
     if (p.has("minutes")) state.minutes = Number(p.get("minutes")) || 5;
-    for (const [k, v] of p) if (k !== "minutes") state.filters[k] = v;
+    // An unknown mode goes to the server, which says what it accepts.
+    if (p.has("mode")) state.mode = p.get("mode");
+    for (const [k, v] of p) if (k !== "minutes" && k !== "mode") state.filters[k] = v;
 }
 
 async function refresh(keepZoom) {
@@ -40,6 +53,7 @@ async function refresh(keepZoom) {
     const p = query();
     const dl = new URLSearchParams(p);
     dl.delete("minutes");
+    dl.delete("mode"); // the pprof carries every sample type
     dl.set("seconds", String(state.minutes * 60));
     $("download").href = "/pprof/cpu?" + dl.toString();
     let r;
@@ -61,14 +75,45 @@ function showError(msg) {
     $("error").hidden = false;
 }
 
+// A weight in the view's unit, for people.
+function fmt(n) {
+    if (state.view.unit === "samples") return `${n} samples`;
+    return n >= 1e9 ? `${(n / 1e9).toFixed(2)} s` : `${(n / 1e6).toFixed(1)} ms`;
+}
+
+// A table cell's number: samples as they are, time in ms.
+function num(n) {
+    return state.view.unit === "samples" ? String(n) : (n / 1e6).toFixed(1);
+}
+
+function drawMode() {
+    const v = state.view;
+    for (const b of document.querySelectorAll("#mode button")) {
+        const m = b.dataset.mode;
+        b.setAttribute("aria-pressed", String(m === state.mode));
+        b.disabled = m !== "cpu" && !v.off_cpu;
+        b.title = b.disabled ? NO_OFF_CPU : MODES[m].tip;
+    }
+    $("mode").title = v.off_cpu ? "" : NO_OFF_CPU;
+    const m = MODES[v.mode] || MODES.cpu;
+    $("chart-title").textContent = m.chart;
+    $("chart-unit").textContent = `(${m.per}, per round; click a name to filter)`;
+    $("top-unit").textContent = `(${m.top})`;
+    $("process-unit").textContent = v.unit === "samples" ? "samples" : "ms";
+}
+
 function draw() {
     const v = state.view;
     $("node").textContent = v.node;
     const secs = (v.to_ns - v.from_ns) / 1e9;
-    $("status").textContent = `${v.total} samples in ${v.stacks} stacks over ${v.rounds} rounds` +
+    const what = { cpu: "", off: " off CPU", wall: " of wall time" }[v.mode] || "";
+    $("status").textContent = `${fmt(v.total)}${what} in ${v.stacks} stacks over ${v.rounds} rounds` +
+        (v.mode === "wall" ? ` (${(100 * v.off_total / (v.total || 1)).toFixed(1)} % off CPU)` : "") +
+        (v.mode !== "cpu" && !v.off_cpu ? " — " + NO_OFF_CPU : "") +
         (secs > 0 ? ` (${Math.round(secs)} s)` : "") +
         (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks are kept)" : "") +
         (v.cut_short ? ` — ${v.cut_short} stacks too varied for the flame graph's bound end early` : "");
+    drawMode();
     drawFilters();
     drawChart();
     drawFlame();
@@ -84,7 +129,9 @@ function drawFilters() {
         if (!values.length && !state.filters[key]) continue;
         const sel = el("select", { "data-filter": key });
         sel.append(el("option", { value: "" }, `all (${values.length})`));
-        for (const [value, n] of values) sel.append(el("option", { value }, `${value} (${n})`));
+        for (const [value, n] of values) {
+            sel.append(el("option", { value }, `${value} (${state.view.unit === "samples" ? n : fmt(n)})`));
+        }
         if (state.filters[key] && !values.some(([x]) => x === state.filters[key])) {
             sel.append(el("option", { value: state.filters[key] }, state.filters[key]));
         }
@@ -105,7 +152,7 @@ function drawChart() {
     const box = $("chart");
     box.replaceChildren();
     const series = state.view.series;
-    if (!series.length) { box.textContent = "no samples in this window"; return; }
+    if (!series.length) { box.textContent = "nothing in this window"; return; }
     const W = Math.max(300, (box.clientWidth || 800) - 2), H = 140, pad = 30;
     const xs = series[0].points.map((p) => p[0]);
     const x0 = Math.min(...xs), x1 = Math.max(...xs);
@@ -140,11 +187,19 @@ function hue(name) {
     return h;
 }
 
-// Frame kinds (the server's FrameKind): native warm, kernel blue, Python green.
+// Frame kinds (the server's FrameKind): native warm, kernel blue, Python green; and
+// frames whose time is mostly off CPU (waiting), violet whatever ran them.
 const KIND_HUES = [[10, 45], [200, 30], [95, 45]];
 
-function color(name, depth, kind) {
+// A node spent most of its weight off CPU.
+const offCpu = (n) => n[3] * 2 > n[1];
+
+function color(name, depth, kind, off) {
     if (depth === 0) return "#9ca3af";
+    if (off) {
+        const h = hue(name);
+        return `hsl(${255 + (h % 25)}, ${35 + (h % 15)}%, ${66 + (h % 10)}%)`;
+    }
     if (kind !== 2 && (name.startsWith("[") || /^0x|\+0x/.test(name))) return "#d1d5db";
     const h = hue(name);
     const [base, span] = KIND_HUES[kind] || KIND_HUES[0];
@@ -194,11 +249,14 @@ function drawFlame() {
     for (const [n, x, w, depth, idxPath] of nodes) {
         const name = v.names[n[0]];
         const y = (depth + top) * ROW;
+        const off = depth + top > 0 && offCpu(n);
         const rect = el("svg:rect", { x: x.toFixed(2), y, width: Math.max(0.5, w - 0.5).toFixed(2), height: ROW - 1,
-                                      fill: color(name, depth + top, (v.kinds || [])[n[0]]),
+                                      fill: color(name, depth + top, (v.kinds || [])[n[0]], off),
                                       "data-name": name, "data-kind": (v.kinds || [])[n[0]] || 0 });
+        if (off) rect.setAttribute("data-off", "1");
         const pct = (100 * n[1] / (v.total || 1)).toFixed(2);
-        rect.append(el("svg:title", {}, `${name}\n${n[1]} samples (${pct} % of all)`));
+        const offPct = v.mode === "wall" ? `, ${(100 * n[3] / (n[1] || 1)).toFixed(0)} % off CPU` : "";
+        rect.append(el("svg:title", {}, `${name}\n${fmt(n[1])} (${pct} % of all${offPct})`));
         if (re && depth + top > 0 && re.test(name)) {
             rect.classList.add("match");
             matches.add(idxPath.join("."));
@@ -225,7 +283,7 @@ function drawFlame() {
     }
     box.append(svg);
     $("flame-info").textContent = (state.zoom.length ? "zoomed; click a bar above to zoom out · " : "click a frame to zoom · ") +
-        (re ? `search matches ${(100 * matched / total).toFixed(1)} % of samples shown` : `${v.folded_nodes} small nodes folded into […]`);
+        (re ? `search matches ${(100 * matched / total).toFixed(1)} % of what is shown` : `${v.folded_nodes} small nodes folded into […]`);
 }
 
 function drawTop() {
@@ -236,8 +294,8 @@ function drawTop() {
         const tr = el("tr", {});
         const name = el("td", { class: "fn", title: f.name }, f.name);
         name.addEventListener("click", () => { $("search").value = f.name.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"); onSearch(); });
-        tr.append(name, el("td", {}, String(f.flat)), el("td", {}, (100 * f.flat / t).toFixed(1)),
-                  el("td", {}, String(f.cum)), el("td", {}, (100 * f.cum / t).toFixed(1)));
+        tr.append(name, el("td", {}, num(f.flat)), el("td", {}, (100 * f.flat / t).toFixed(1)),
+                  el("td", {}, num(f.cum)), el("td", {}, (100 * f.cum / t).toFixed(1)));
         tb.append(tr);
     }
 }
@@ -248,7 +306,7 @@ function drawProcesses() {
     for (const p of state.view.processes) {
         const tr = el("tr", { "data-pid": p.pid });
         tr.append(el("td", {}, p.pid), el("td", {}, p.comm), el("td", {}, p.executable),
-                  el("td", {}, p.container_id.slice(0, 12)), el("td", {}, String(p.samples)));
+                  el("td", {}, p.container_id.slice(0, 12)), el("td", {}, num(p.value)));
         tr.addEventListener("click", () => { if (p.pid) { state.filters.pid = p.pid; refresh(); } });
         tb.append(tr);
     }
@@ -265,6 +323,9 @@ window.__firnView = () => state.view;
 window.addEventListener("DOMContentLoaded", () => {
     loadHash();
     $("minutes").addEventListener("change", () => { state.minutes = Number($("minutes").value); refresh(); });
+    for (const b of document.querySelectorAll("#mode button")) {
+        b.addEventListener("click", () => { state.mode = b.dataset.mode; refresh(); });
+    }
     $("search").addEventListener("input", onSearch);
     $("reset").addEventListener("click", () => { state.filters = {}; state.zoom = []; $("search").value = ""; state.search = ""; refresh(); });
     window.addEventListener("resize", () => { if (state.view) { drawChart(); drawFlame(); } });

@@ -1,13 +1,13 @@
 //! The answer to one `/api/view` query: one pass over the window's stacks (the call tree,
-//! flat and cumulative counts, samples per label set), then the lists the page shows.
+//! flat and cumulative weights, weight per label set), then the lists the page shows.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::tree::{freeze, remap, IdMap, Names, Tree};
 use super::{
-    label, path, Function, Process, Query, Series, Summing, View, CHOICES, FILTERS, PROCESSES,
-    PRUNE, SERIES, TOP_FUNCTIONS,
+    label, path, Function, Mode, Process, Query, Series, Summing, View, CHOICES, FILTERS,
+    PROCESSES, PRUNE, SERIES, TOP_FUNCTIONS,
 };
 use crate::model::{LabelSet, Round, StackSample};
 
@@ -20,9 +20,11 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
     let mut calls = Calls::new();
     let mut sets = Sets::default();
     for r in rounds {
+        let period = 1_000_000_000 / u64::from(r.frequency_hz.max(1));
         for s in &r.stacks {
-            if sets.keep(r.end_ns, s, q) {
-                calls.add(s);
+            let (w, off) = q.mode.weigh(s, period, r.off_cpu);
+            if w > 0 && sets.keep(r.end_ns, s, w, q) {
+                calls.add(s, w, off);
             }
         }
     }
@@ -46,7 +48,14 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
         stacks: calls.stacks,
         shortened,
         node,
+        mode: q.mode,
+        unit: match q.mode {
+            Mode::Cpu => "samples",
+            Mode::Off | Mode::Wall => "nanoseconds",
+        },
+        off_cpu: rounds.iter().any(|r| r.off_cpu),
         total: calls.total,
+        off_total: calls.tree.off[0],
         period_ns,
         kinds: names
             .iter()
@@ -64,10 +73,20 @@ pub fn build(rounds: &[Arc<Round>], q: &Query, from_ns: u64, to_ns: u64, shorten
         folded_nodes: folded,
         cut_short: calls.cut_short,
         top: calls.top(),
-        series: chart(series, rounds, period_ns),
+        // Samples are periods of CPU; the other modes count nanoseconds already.
+        series: chart(
+            series,
+            rounds,
+            if q.mode == Mode::Cpu { period_ns } else { 1 },
+        ),
         processes,
         choices,
     }
+}
+
+/// Adds without wrapping: weights come off the wire (nanoseconds add up fast).
+fn sat(to: &mut u64, w: u64) {
+    *to = to.saturating_add(w);
 }
 
 /// The call tree and the per-function counts of the stacks the filter keeps.
@@ -116,13 +135,10 @@ impl Calls {
         }
     }
 
-    fn add(&mut self, s: &StackSample) {
-        if s.count == 0 {
-            // Off-CPU time: not in the on-CPU view (its switch is for a later change).
-            return;
-        }
+    /// Adds stack `s` of weight `w`, `off` of it off CPU.
+    fn add(&mut self, s: &StackSample, w: u64, off: u64) {
         self.stacks += 1;
-        self.total += s.count;
+        self.total = self.total.saturating_add(w);
         path(s, &mut self.names_buf, &mut self.kinds_buf);
         self.ids.clear();
         for (n, &k) in self.names_buf.iter().zip(&self.kinds_buf) {
@@ -133,18 +149,20 @@ impl Calls {
             self.ids.push(id);
         }
         let mut at = 0u32;
-        self.tree.value[0] += s.count;
+        sat(&mut self.tree.value[0], w);
+        sat(&mut self.tree.off[0], off);
         for &id in &self.ids {
             let Some(next) = self.tree.child(at, id) else {
                 self.cut_short += 1;
                 break;
             };
             at = next;
-            self.tree.value[at as usize] += s.count;
+            sat(&mut self.tree.value[at as usize], w);
+            sat(&mut self.tree.off[at as usize], off);
         }
         // The comm level is not a function.
         if let Some(&leaf) = self.ids.last().filter(|_| self.ids.len() > 1) {
-            *self.flat.entry(leaf).or_insert(0) += s.count;
+            sat(self.flat.entry(leaf).or_insert(0), w);
         }
         let stamp = self.stacks as u64;
         for &id in self.ids.iter().skip(1) {
@@ -154,12 +172,12 @@ impl Calls {
             }
             if self.counted_in[i] != stamp {
                 self.counted_in[i] = stamp;
-                *self.cum.entry(id).or_insert(0) += s.count;
+                sat(self.cum.entry(id).or_insert(0), w);
             }
         }
     }
 
-    /// The busiest functions, by flat then cumulative samples.
+    /// The busiest functions, by flat then cumulative weight.
     fn top(&self) -> Vec<Function> {
         let mut top: Vec<Function> = self
             .cum
@@ -182,7 +200,7 @@ impl Calls {
 }
 
 /// Label work is per distinct label set (processes share one `Arc`), not per stack:
-/// samples of each set in the whole window, and per round for the kept ones.
+/// the weight of each set in the whole window, and per round for the kept ones.
 #[derive(Default)]
 struct Sets {
     all: IdMap<usize, (Arc<LabelSet>, u64)>,
@@ -191,13 +209,18 @@ struct Sets {
 }
 
 impl Sets {
-    /// Counts a stack of the round ending at `end_ns`; whether the filter keeps it.
-    fn keep(&mut self, end_ns: u64, s: &StackSample, q: &Query) -> bool {
+    /// Counts a stack of weight `w` of the round ending at `end_ns`; whether the filter
+    /// keeps it.
+    fn keep(&mut self, end_ns: u64, s: &StackSample, w: u64, q: &Query) -> bool {
         let key = Arc::as_ptr(&s.labels) as *const u8 as usize;
-        self.all
-            .entry(key)
-            .or_insert_with(|| (s.labels.clone(), 0))
-            .1 += s.count;
+        sat(
+            &mut self
+                .all
+                .entry(key)
+                .or_insert_with(|| (s.labels.clone(), 0))
+                .1,
+            w,
+        );
         let (keep, per_round) = self.kept.entry(key).or_insert_with(|| {
             let keep = q
                 .filters
@@ -208,7 +231,7 @@ impl Sets {
         if !*keep {
             return false;
         }
-        *per_round.entry(end_ns).or_insert(0) += s.count;
+        sat(per_round.entry(end_ns).or_insert(0), w);
         self.kept_labels
             .entry(key)
             .or_insert_with(|| s.labels.clone());
@@ -230,7 +253,7 @@ fn node_and_choices(sets: &Sets) -> (String, BTreeMap<String, Vec<(String, u64)>
         }
         for k in FILTERS {
             if let Some(v) = get(labels, k) {
-                *choices.entry(k).or_default().entry(v).or_insert(0) += count;
+                sat(choices.entry(k).or_default().entry(v).or_insert(0), *count);
             }
         }
     }
@@ -246,7 +269,7 @@ fn node_and_choices(sets: &Sets) -> (String, BTreeMap<String, Vec<(String, u64)>
     (node, choices)
 }
 
-/// The kept sets' processes (busiest first) and their samples per round, summed by
+/// The kept sets' processes (busiest first) and their weight per round, summed by
 /// process or container.
 fn processes_and_series(sets: &Sets, q: &Query) -> (Vec<Process>, HashMap<String, Summing>) {
     let mut procs: HashMap<(String, String), Process> = HashMap::new();
@@ -255,19 +278,19 @@ fn processes_and_series(sets: &Sets, q: &Query) -> (Vec<Process>, HashMap<String
         let Some((_, per_round)) = sets.kept.get(key) else {
             continue;
         };
-        let samples: u64 = per_round.values().sum();
+        let weight = per_round.values().fold(0u64, |a, &b| a.saturating_add(b));
         let pid = get(labels, "pid").unwrap_or_default();
         let comm = get(labels, "comm").unwrap_or_else(|| "?".into());
-        procs
+        let p = procs
             .entry((pid.clone(), comm.clone()))
             .or_insert_with(|| Process {
                 pid: pid.clone(),
                 comm: comm.clone(),
                 executable: get(labels, "executable").unwrap_or_default(),
                 container_id: get(labels, "container_id").unwrap_or_default(),
-                samples: 0,
-            })
-            .samples += samples;
+                value: 0,
+            });
+        sat(&mut p.value, weight);
         let (key, filter) = if q.by_container {
             match get(labels, "container_id") {
                 Some(c) => (
@@ -288,18 +311,18 @@ fn processes_and_series(sets: &Sets, q: &Query) -> (Vec<Process>, HashMap<String
             .entry(key)
             .or_insert_with(|| (filter, BTreeMap::new()));
         for (t, n) in per_round {
-            *entry.1.entry(*t).or_insert(0) += n;
+            sat(entry.1.entry(*t).or_insert(0), *n);
         }
     }
     let mut processes: Vec<Process> = procs.into_values().collect();
-    processes.sort_by(|a, b| b.samples.cmp(&a.samples).then(a.pid.cmp(&b.pid)));
+    processes.sort_by(|a, b| b.value.cmp(&a.value).then(a.pid.cmp(&b.pid)));
     processes.truncate(PROCESSES);
     (processes, series)
 }
 
-/// The chart: the busiest series and "others", as CPU per round (samples × period over
-/// the round's length).
-fn chart(series: HashMap<String, Summing>, rounds: &[Arc<Round>], period_ns: u64) -> Vec<Series> {
+/// The chart: the busiest series and "others", as ms per second of each round (weight
+/// × `ns_per_unit` over the round's length).
+fn chart(series: HashMap<String, Summing>, rounds: &[Arc<Round>], ns_per_unit: u64) -> Vec<Series> {
     let spans: Vec<(u64, u64)> = rounds
         .iter()
         .map(|r| (r.end_ns, r.end_ns.saturating_sub(r.start_ns).max(1)))
@@ -317,7 +340,7 @@ fn chart(series: HashMap<String, Summing>, rounds: &[Arc<Round>], period_ns: u64
             out.push((key, filter, points));
         } else {
             for (t, n) in points {
-                *others.entry(t).or_insert(0) += n;
+                sat(others.entry(t).or_insert(0), n);
             }
         }
     }
@@ -332,7 +355,10 @@ fn chart(series: HashMap<String, Summing>, rounds: &[Arc<Round>], period_ns: u64
                 .iter()
                 .map(|&(end, len)| {
                     let n = points.get(&end).copied().unwrap_or(0);
-                    (end, (n * period_ns) as f64 / len as f64 * 1000.0)
+                    (
+                        end,
+                        n.saturating_mul(ns_per_unit) as f64 / len as f64 * 1000.0,
+                    )
                 })
                 .collect(),
         })

@@ -47,6 +47,8 @@ pub(super) type IdMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IdHash
 pub(super) struct Tree {
     pub(super) name: Vec<u32>,
     pub(super) value: Vec<u64>,
+    /// The off-CPU part of each node's value.
+    pub(super) off: Vec<u64>,
     pub(super) edges: IdMap<u64, u32>,
 }
 
@@ -55,6 +57,7 @@ impl Tree {
         Self {
             name: vec![root_name],
             value: vec![0],
+            off: vec![0],
             edges: IdMap::default(),
         }
     }
@@ -70,6 +73,7 @@ impl Tree {
         if id == next {
             self.name.push(name);
             self.value.push(0);
+            self.off.push(0);
         }
         Some(id)
     }
@@ -125,18 +129,20 @@ pub(super) fn remap(
 /// one `[…]` child of their parent (counted in `folded`).
 pub(super) fn freeze(t: &Tree, min: u64, other: u32, folded: &mut u64) -> Node {
     let mut kids: Vec<Vec<u32>> = vec![Vec::new(); t.name.len()];
-    let mut small: Vec<u64> = vec![0; t.name.len()];
+    // Per parent: (value, off-CPU part) of its folded children.
+    let mut small: Vec<(u64, u64)> = vec![(0, 0); t.name.len()];
     for (&edge, &child) in &t.edges {
         let parent = (edge >> 32) as usize;
         let v = t.value[child as usize];
         if v >= min {
             kids[parent].push(child);
         } else {
-            small[parent] += v;
+            small[parent].0 += v;
+            small[parent].1 += t.off[child as usize];
             *folded += 1;
         }
     }
-    fn node(t: &Tree, kids: &[Vec<u32>], small: &[u64], i: u32, other: u32) -> Node {
+    fn node(t: &Tree, kids: &[Vec<u32>], small: &[(u64, u64)], i: u32, other: u32) -> Node {
         let mut ks = kids[i as usize].clone();
         ks.sort_by(|a, b| {
             t.value[*b as usize]
@@ -144,10 +150,16 @@ pub(super) fn freeze(t: &Tree, min: u64, other: u32, folded: &mut u64) -> Node {
                 .then(t.name[*a as usize].cmp(&t.name[*b as usize]))
         });
         let mut out: Vec<Node> = ks.iter().map(|&k| node(t, kids, small, k, other)).collect();
-        if small[i as usize] > 0 {
-            out.push(Node(other, small[i as usize], Vec::new()));
+        let (v, off) = small[i as usize];
+        if v > 0 {
+            out.push(Node(other, v, Vec::new(), off));
         }
-        Node(t.name[i as usize], t.value[i as usize], out)
+        Node(
+            t.name[i as usize],
+            t.value[i as usize],
+            out,
+            t.off[i as usize],
+        )
     }
     node(t, &kids, &small, 0, other)
 }
