@@ -1,6 +1,7 @@
 //! The BPF program's process events: a ring buffer of NEW (first sample of a process),
-//! EXEC (a sampled process exec'd), EXIT (a sampled process ended) and CGROUP (a seen
-//! process sampled in another cgroup than its last sample's). They let the
+//! EXEC (a sampled process exec'd), EXIT (a sampled process ended), CGROUP (a seen
+//! process sampled in another cgroup than its last sample's) and REMAP (a seen process
+//! ran code its record's mappings do not hold). They let the
 //! sampler read a process's /proc entry within milliseconds of its first sample, so a
 //! process that lives 20 ms is still there to be read.
 
@@ -20,6 +21,7 @@ pub(crate) enum EventKind {
     Exec,
     Exit,
     Cgroup,
+    Remap,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +51,7 @@ pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
         firn_event_kind::FIRN_EV_EXEC => EventKind::Exec,
         firn_event_kind::FIRN_EV_EXIT => EventKind::Exit,
         firn_event_kind::FIRN_EV_CGROUP => EventKind::Cgroup,
+        firn_event_kind::FIRN_EV_REMAP => EventKind::Remap,
         _ => return None,
     };
     Some(ProcEvent {
@@ -150,6 +153,7 @@ mod tests {
         assert_eq!((e.comm[0], e.exe.ino, e.cgroup_id), (b'x', 11, 13));
         assert_eq!((e.exe.dev, e.exe.start_code), (17, 19));
         assert_eq!(parse(&raw(4)).unwrap().kind, EventKind::Cgroup);
+        assert_eq!(parse(&raw(5)).unwrap().kind, EventKind::Remap);
         assert!(parse(&raw(9)).is_none(), "unknown kind");
         assert!(parse(&raw(1)[..EVENT_SIZE - 1]).is_none(), "short");
     }

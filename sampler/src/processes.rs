@@ -26,6 +26,10 @@ const ENDED_ROUNDS: u64 = 2;
 /// Longest wait, in rounds, between two mapping refreshes that changed nothing (JIT
 /// code and the vDSO lie outside every file mapping forever).
 const MAX_REFRESH_BACKOFF: u64 = 64;
+/// Shortest and longest wait between two mapping reads that the BPF program asked for
+/// (its process ran code outside them), doubling while a read changes nothing.
+const REMAP_MIN_NS: u64 = 100_000_000;
+const REMAP_MAX_NS: u64 = 10_000_000_000;
 /// Bytes read from /proc per round at most (records and mapping refreshes). Past it, new
 /// processes are recorded with what BPF saw and read in a later round; a storm of new
 /// processes then costs bounded time and memory per round.
@@ -62,6 +66,10 @@ pub(crate) struct Known {
     backoff: u64,
     /// Not read yet: the round's read budget was spent when it was first seen.
     deferred: bool,
+    /// CLOCK_BOOTTIME ns before which a REMAP event is not acted on, and the wait after
+    /// the next read that changes nothing.
+    remap_after: u64,
+    remap_wait: u64,
     /// The round in progress when it exec'd or exited: /proc no longer describes it.
     ended: Option<u64>,
 }
@@ -169,6 +177,35 @@ impl ProcessTable {
         {
             self.cgroups.learn(cgroup_id, &k.record.cgroup, counters);
         }
+    }
+
+    /// A known process ran code outside the mappings of its record (the BPF program's
+    /// REMAP, at most ten a second per process): they are read again now, while round
+    /// `round` is in progress, unless a read that changed nothing was lately (JIT code
+    /// it has not mapped from a file, say), within the round's /proc budget.
+    pub(crate) fn remap(&mut self, key: ProcKey, (round, now_ns): (u64, u64), counters: &Counters) {
+        bump(&counters.remap_events);
+        let Some(k) = self.by_key.get_mut(&key) else {
+            return;
+        };
+        if k.ended.is_some() || k.deferred || !k.record.complete || now_ns < k.remap_after {
+            bump(&counters.remap_events_skipped);
+            return;
+        }
+        let before = k.record.wire_bytes();
+        let (read, changed) = refresh(k, round, &self.handles, counters, self.read_left);
+        k.remap_wait = if changed {
+            REMAP_MIN_NS
+        } else {
+            (k.remap_wait.max(REMAP_MIN_NS / 2) * 2).min(REMAP_MAX_NS)
+        };
+        k.remap_after = now_ns.saturating_add(k.remap_wait);
+        if changed {
+            bump(&counters.remap_reads_changed);
+            self.fresh.push((key, k.record.clone()));
+        }
+        self.read_left = self.read_left.saturating_sub(read);
+        self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
     }
 
     /// A known process sampled in cgroup `id`, another than its last sample's.
@@ -295,6 +332,8 @@ impl ProcessTable {
             next_refresh: round + 1,
             backoff: 1,
             deferred,
+            remap_after: 0,
+            remap_wait: 0,
             ended: None,
         };
         if self.by_key.len() >= MAX_PROCESSES {

@@ -184,6 +184,7 @@ impl Rounds {
                     self.table.ended(e.key, Ending::Exit, in_progress);
                 }
                 EventKind::Cgroup => self.table.moved(e.key, e.cgroup_id, c),
+                EventKind::Remap => self.table.remap(e.key, (in_progress, seen_ns), c),
             }
         }
     }

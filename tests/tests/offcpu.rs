@@ -239,32 +239,85 @@ fn lived_ran_queued(pid: u32) -> (f64, f64, f64) {
     ((now - ticks / 100.0) * 1e9, ran, queued)
 }
 
-/// `perf bench sched pipe` for 20 s (two tasks switching ~100,000 times a second), with
-/// the default draw: the sampler keeps its memory bound and samples on, it takes about
-/// --off-cpu-rate switches a second per CPU, counts the others as not drawn, and the
-/// weighted totals still match the time the two tasks were off CPU by the kernel's own
-/// accounting.
+/// A storm of 100 µs sleeps on 16 threads (some 100,000 switches a second) with the
+/// default draw: about --off-cpu-rate switches a second per CPU are taken, the others
+/// counted as not drawn, and the weighted total still matches the time the threads
+/// measured themselves asleep (waits far longer than a stack walk, so what the walk
+/// itself costs does not bend them).
+#[test]
+fn a_storm_of_short_waits_is_drawn_fairly() {
+    if !can_run_bpf() {
+        return;
+    }
+    let exe = compile_plain(
+        "gcc",
+        "napstorm.c",
+        "napstorm-gcc",
+        &["-O2", "-g", "-pthread"],
+    );
+    let f = Firn::start(
+        "offcpu-naps",
+        &["--frequency", "99", "--round", "2", "--off-cpu"],
+    );
+    let t0 = Instant::now();
+    let mut cmd = Command::new(exe);
+    cmd.args(["10", "16", "100"]);
+    let mut p = Proc::spawn("napstorm", cmd);
+    let line = p
+        .wait_for("off_cpu_ns", 60 * SECS)
+        .expect("the storm did not finish");
+    let lived = t0.elapsed().as_secs_f64();
+    let _ = p.stop();
+    settle(&f);
+    let field = |name: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {line:?}"))
+    };
+    let (truth, naps) = (field("total"), field("waits"));
+    let t = off_cpu_traces(&f.profiles_of(p.pid()), &[]);
+    let got = under(&t, "nap_storm");
+    let waits = f.metric("firn_sampler_bpf_off_cpu_waits").unwrap_or(0.0);
+    let unsampled = f
+        .metric("firn_sampler_bpf_off_cpu_unsampled")
+        .unwrap_or(0.0);
+    let weight = f.metric("firn_sampler_bpf_off_cpu_weight").unwrap_or(0.0);
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as f64;
+    eprintln!(
+        "nap storm: {naps} sleeps; firn {:.3} s, the threads {:.3} s; waits taken {waits} \
+         standing for {weight}, not drawn {unsampled}",
+        got / 1e9,
+        truth / 1e9
+    );
+    assert!(unsampled > 100_000.0, "only {unsampled} switches not drawn");
+    // At most the default 250 a second per CPU (and a first window's worth before a
+    // CPU's N rises), over the storm and the rounds around it.
+    let bound = 250.0 * cpus * (lived + 10.0) * 1.5;
+    assert!(waits <= bound, "{waits} waits taken, over {bound}");
+    assert!(
+        off(got, truth) <= 0.10,
+        "weighted off-CPU time {got} ns against the threads' own {truth} ns"
+    );
+}
+
+/// `perf bench sched pipe` for 20 s (two tasks switching ~100,000 times a second): the
+/// sampler keeps its memory bound and samples on, and every wait is counted or its
+/// loss is. The waits here are a few µs, shorter than the stack walk a taken one costs,
+/// and the walk bends the wait it is taken for (it runs before the task leaves, and a
+/// partner's answer may land during it): the weighted total is held to the kernel's
+/// accounting loosely only, and the BENCHMARKS say by how much it differs.
 #[test]
 fn a_switch_storm_leaves_the_sampler_bounded() {
     if !can_run_bpf() {
         return;
     }
-    let extra = std::env::var("FIRN_STORM_ARGS").unwrap_or_default();
-    let mut args = vec!["--frequency", "99", "--round", "2", "--off-cpu"];
-    args.extend(extra.split_whitespace());
-    let mut f = Firn::start("offcpu-storm", &args);
-    let pin = std::env::var("FIRN_STORM_PIN").unwrap_or_default();
-    let mut cmd = Command::new("taskset");
-    cmd.args([
-        "-c",
-        if pin.is_empty() { "0-1" } else { &pin },
-        "perf",
-        "bench",
-        "sched",
-        "pipe",
-        "-l",
-        "100000000",
-    ]);
+    let mut f = Firn::start(
+        "offcpu-storm",
+        &["--frequency", "99", "--round", "2", "--off-cpu"],
+    );
+    let mut cmd = Command::new("perf");
+    cmd.args(["bench", "sched", "pipe", "-l", "100000000"]);
     let mut storm = Proc::spawn("perf-bench", cmd);
     let t0 = Instant::now();
     let mut hwm = 0;
@@ -279,7 +332,6 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
     let kernel: Vec<(f64, f64, f64)> = pids.iter().map(|&p| lived_ran_queued(p)).collect();
     let upper: f64 = kernel.iter().map(|(l, r, _)| l - r).sum();
     let lower: f64 = kernel.iter().map(|(l, r, q)| l - r - q).sum();
-    let lived = t0.elapsed().as_secs_f64();
     let _ = storm.stop();
     // perf's other end of the pipe is a child of its own.
     let _ = Command::new("pkill")
@@ -295,12 +347,10 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
     let untimed = f.metric("firn_sampler_bpf_off_cpu_untimed").unwrap_or(-1.0);
     let files: Vec<PathBuf> = pids.iter().flat_map(|&p| f.profiles_of(p)).collect();
     let got: f64 = off_cpu_traces(&files, &[]).iter().map(|t| t.0 as f64).sum();
-    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get()) as f64;
     eprintln!(
-        "switch storm: sampler peak {hwm} KiB; waits taken {waits} standing for {weight}, not \
-         drawn {unsampled}, \
-         counts map full {lost}, untimed {untimed}; perf's off-CPU time: firn {:.2} s, the \
-         kernel's {:.2}–{:.2} s ({} tasks)",
+        "switch storm: sampler peak {hwm} KiB; waits taken {waits} standing for {weight}, \
+         not drawn {unsampled}, counts map full {lost}, untimed {untimed}; perf's off-CPU \
+         time: firn {:.2} s, the kernel's {:.2}–{:.2} s ({} tasks)",
         got / 1e9,
         lower / 1e9,
         upper / 1e9,
@@ -309,12 +359,8 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
     assert_eq!(pids.len(), 2, "perf bench's two ends");
     assert!(lost >= 0.0 && untimed >= 0.0, "loss counters missing");
     assert!(unsampled > 100_000.0, "only {unsampled} switches not drawn");
-    // The whole node's voluntary switches, at most the default 250 a second per CPU
-    // (and a first window's worth before a CPU's N rises).
-    let bound = 250.0 * cpus * (lived + 10.0) * 1.5;
-    assert!(waits <= bound, "{waits} waits taken, over {bound}");
     assert!(
-        got <= 1.2 * upper && got >= 0.8 * lower,
+        got <= 2.0 * upper && got >= 0.5 * lower,
         "weighted off-CPU time {got} ns against {lower}–{upper} ns"
     );
     assert!(hwm < 24 << 10, "sampler peak {hwm} KiB in the storm");

@@ -137,12 +137,13 @@ def off_cpu(d, a, report):
     mode(d, "wall")
     wait("hot_leaf and the waits together", lambda: all(w in names(d) for w in WAITS + (a.function,)))
     # The waits are off CPU all but wholly, in its colour where most of their time is.
-    # The busy leaf ran; on a loaded machine it also waits for a CPU (the sampler counts
-    # a switch at the return to user mode as off-CPU), so only its on-CPU part is sure.
+    # The busy leaf runs: a CPU-bound thread that waits for a CPU is runnable, not
+    # waiting, and not counted off CPU (a little may be: its page faults, its exit).
     fr = frames(d)
     assert all(widest(fr, w)[1] == "1" for w in WAITS), f"a wait not coloured off-CPU: {nodes(d, WAITS[0])}"
     leaf = max(nodes(d, a.function), key=lambda n: n[1])
-    assert leaf[2] < leaf[1], f"no on-CPU time in {leaf}"
+    assert leaf[2] < 0.2 * leaf[1], f"the busy leaf counted as waiting: {leaf}"
+    assert widest(fr, a.function)[1] != "1", f"the busy leaf coloured off-CPU: {leaf}"
     report["wall_leaf_off_share"] = round(leaf[2] / leaf[1], 3)
     report["wall"] = d.execute_script(
         "const v = window.__firnView(); return [v.total, v.off_total, v.unit];")

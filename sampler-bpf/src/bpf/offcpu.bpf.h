@@ -4,7 +4,8 @@
  * on the sched_switch BTF tracepoint, for both ends of a wait.
  *
  * Switch-out: a task leaving a CPU of its own accord (blocked on a lock, a pipe, a
- * socket, disk, asleep; not preempted: a preempted task is runnable, not waiting) is
+ * socket, disk, asleep; not preempted nor rescheduled while runnable: a runnable task
+ * waits for a CPU, not for an event) is
  * still current, in the kernel, with its user registers saved at entry: its stacks are
  * taken there, kernel (why it waits: futex_wait, do_nanosleep, pipe_read ...) and user
  * (the same unwinder as samples), and kept with the time in its task storage.
@@ -29,6 +30,7 @@
 #define FIRN_OFFCPU_BPF_H
 
 #define FIRN_PF_KTHREAD 0x00200000
+#define FIRN_TASK_RUNNING 0
 #define FIRN_ENOENT 2
 
 /* Set by the sampler before loading. */
@@ -172,8 +174,10 @@ int firn_switch(unsigned long long *ctx)
 	__u32 set, every;
 
 	wait_ends(next);
-	if ((ctx[0] & 1) || prev->pid == 0 || (prev->flags & FIRN_PF_KTHREAD) ||
-	    (__u32)prev->tgid == off_cpu_self_tgid)
+	/* A task still runnable is not waiting: preempted (the flag), or rescheduled on its
+	 * way back to user mode after an interrupt or a syscall (no flag, state RUNNING). */
+	if ((ctx[0] & 1) || prev->__state == FIRN_TASK_RUNNING || prev->pid == 0 ||
+	    (prev->flags & FIRN_PF_KTHREAD) || (__u32)prev->tgid == off_cpu_self_tgid)
 		return 0;
 	every = draw();
 	if (every == 0) {

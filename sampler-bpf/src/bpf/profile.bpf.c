@@ -74,8 +74,12 @@ struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 32768);
 	__type(key, struct firn_proc_id);
-	__type(value, __u64);
+	__type(value, struct firn_seen);
 } seen SEC(".maps");
+
+/* A process asks for its mappings to be read again at most this often (a JIT's code
+ * is anonymous and known, so it does not ask; stale mappings are what ask). */
+#define FIRN_REMAP_EVERY_NS 100000000ULL
 
 /* Process events. The sampler sets its size (--events-buffer-kib) before loading. */
 struct {
@@ -102,6 +106,7 @@ struct firn_sample_key unused_key = {};
 enum firn_counter unused_counter = FIRN_CTR_SAMPLES;
 struct firn_event unused_event = {};
 struct firn_proc_id unused_proc_id = {};
+struct firn_seen unused_seen = {};
 enum firn_event_kind unused_event_kind = FIRN_EV_NEW;
 enum firn_sample_kind unused_sample_kind = FIRN_KIND_CPU;
 enum firn_unwind_end unused_unwind_end = FIRN_END_COMPLETE;
@@ -184,11 +189,13 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id, __u64
 		e->start_code = BPF_CORE_READ(task, mm, start_code);
 	}
 	e->cgroup_id = cgroup_id;
-	/* Only a new process is urgent (it may be gone in milliseconds); exec and exit
-	 * events wait for the next wakeup or the round's end, which halves the wakeups.
-	 * A new one forces its wakeup: the default wakes only a consumer that has read
-	 * everything before it, and a waiting exit event would then hold it back. */
-	bpf_ringbuf_submit(e, kind == FIRN_EV_NEW ? BPF_RB_FORCE_WAKEUP : BPF_RB_NO_WAKEUP);
+	/* Only a new process and stale mappings are urgent (the process may be gone in
+	 * milliseconds, its samples meanwhile leaf only); exec and exit events wait for
+	 * the next wakeup or the round's end, which halves the wakeups. An urgent one
+	 * forces its wakeup: the default wakes only a consumer that has read everything
+	 * before it, and a waiting exit event would then hold it back. */
+	bpf_ringbuf_submit(e, kind == FIRN_EV_NEW || kind == FIRN_EV_REMAP ? BPF_RB_FORCE_WAKEUP
+									   : BPF_RB_NO_WAKEUP);
 	bump(FIRN_CTR_EVENTS);
 	return 0;
 }
@@ -200,6 +207,27 @@ static __always_inline void ended(__u32 kind, const struct firn_proc_id *id)
 		return;
 	bpf_map_delete_elem(&seen, id);
 	emit(kind, id, 0);
+}
+
+/* The sample of `key` ran code outside the mappings of its process's record: the
+ * sampler reads them again now, not at the round's end, so that its stacks are whole
+ * from the next sample (a process read while its loader was still mapping libraries;
+ * a dlopen). At most once per FIRN_REMAP_EVERY_NS per process. */
+static __always_inline void remap(const struct firn_sample_key *key)
+{
+	struct firn_proc_id pid = {
+		.tgid = key->tgid,
+		.exec_id = key->exec_id,
+		.start_ns = key->start_ns,
+	};
+	struct firn_seen *s = bpf_map_lookup_elem(&seen, &pid);
+	__u64 now;
+
+	if (!s)
+		return;
+	now = bpf_ktime_get_ns();
+	if (now - s->remap_ns >= FIRN_REMAP_EVERY_NS && emit(FIRN_EV_REMAP, &pid, key->cgroup_id) == 0)
+		s->remap_ns = now;
 }
 
 /* The context allows only whole 8-byte loads of the saved registers. */
@@ -245,8 +273,8 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	__u64 id = bpf_get_current_pid_tgid();
 	struct task_struct *task, *leader;
 	struct firn_proc_id pid;
+	struct firn_seen *was, fresh = {};
 	void *stacks, *ustacks;
-	__u64 *was;
 
 	if (set == 0) {
 		stacks = &stacks_0;
@@ -271,17 +299,22 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	pid.start_ns = key->start_ns;
 	was = bpf_map_lookup_elem(&seen, &pid);
 	if (!was) {
-		if (emit(FIRN_EV_NEW, &pid, key->cgroup_id) == 0)
-			bpf_map_update_elem(&seen, &pid, &key->cgroup_id, BPF_ANY);
-	} else if (*was != key->cgroup_id) {
+		if (emit(FIRN_EV_NEW, &pid, key->cgroup_id) == 0) {
+			fresh.cgroup_id = key->cgroup_id;
+			bpf_map_update_elem(&seen, &pid, &fresh, BPF_ANY);
+		}
+	} else if (was->cgroup_id != key->cgroup_id) {
 		/* Moved since its last sample: the sampler reads the new cgroup's path if it
 		 * has none for this id (within its rate bound). Not urgent: it wakes nobody.
 		 * One event per sample at most, so per process at most the sampling rate. */
 		if (emit(FIRN_EV_CGROUP, &pid, key->cgroup_id) == 0)
-			*was = key->cgroup_id;
+			was->cgroup_id = key->cgroup_id;
 	}
 
-	user_stack(ctx, in_user, task, ustacks, key);
+	if (user_stack(ctx, in_user, task, ustacks, key))
+		/* Looked up again, not kept across the walk: a pointer live across it would
+		 * double the states the verifier walks the unwinder with. */
+		remap(key);
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
 	 * callchain setup (~2 us on the test VM), so answer as the helper would. */
 	if (in_user)

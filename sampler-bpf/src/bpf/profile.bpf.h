@@ -79,6 +79,15 @@ enum firn_event_kind {
 	FIRN_EV_EXEC = 2,  /* a sampled process exec'd: `exec_id` names what it ran before */
 	FIRN_EV_EXIT = 3,  /* a sampled process exited (its last thread) */
 	FIRN_EV_CGROUP = 4, /* a seen process was sampled in another cgroup than before */
+	FIRN_EV_REMAP = 5,  /* a seen process ran code outside the mappings of its record
+			     * (mapped after it was read: its loader was still at work, or
+			     * a dlopen): read its mappings again */
+};
+
+/* What the program keeps of a process it announced. */
+struct firn_seen {
+	__u64 cgroup_id;   /* the cgroup v2 id of its last sample */
+	__u64 remap_ns;    /* when it last asked for its mappings to be read again */
 };
 
 struct firn_sample_key {

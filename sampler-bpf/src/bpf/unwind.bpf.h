@@ -64,6 +64,8 @@ struct firn_unwind_state {
 	/* The mapping of the last frame and its table: consecutive frames are mostly in
 	 * one binary, so most frames skip two hash lookups and the mapping search. */
 	__u8 cached;               /* 0: nothing cached; else enum firn_mapping_kind */
+	__u8 unmapped;             /* a frame lay in no executable mapping of the record
+				    * (code mapped after it was read) */
 	__u64 c_start;
 	__u64 c_end;
 	__u64 c_offset;
@@ -256,6 +258,8 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		return 1;
 	}
 	kind = find_mapping(st, pc);
+	if (kind == MAPPING_NONE)
+		st->unmapped = 1;
 	if (len > 0 && kind >= MAPPING_NONE) {
 		/* A return address outside every executable mapping of the process: not
 		 * recorded. Reached by frame pointers (no row), the walk ended for the reason
@@ -402,9 +406,10 @@ static long unwind_step(__u32 i, void *data)
 
 /* Unwinds the user stack of the current task into ustacks (`set`), fills the key's
  * user_stack, user_status and unwind_end. `in_user`: `ctx` is a perf event's, taken in
- * user mode, and holds the user registers; else they are the ones saved at entry. */
-static __always_inline void user_stack(void *ctx, int in_user, struct task_struct *task,
-				       void *ustacks, struct firn_sample_key *key)
+ * user mode, and holds the user registers; else they are the ones saved at entry.
+ * Returns 1 when a frame lay in no executable mapping the process's record names. */
+static __always_inline int user_stack(void *ctx, int in_user, struct task_struct *task,
+				      void *ustacks, struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
 	struct firn_py_proc *py;
@@ -415,7 +420,7 @@ static __always_inline void user_stack(void *ctx, int in_user, struct task_struc
 	st = bpf_map_lookup_elem(&scratch, &zero);
 	if (!st || !BPF_CORE_READ(task, mm)) {
 		key->user_status = -FIRN_EFAULT;
-		return;
+		return 0;
 	}
 	if (in_user) {
 		st->pc = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, ip));
@@ -430,13 +435,14 @@ static __always_inline void user_stack(void *ctx, int in_user, struct task_struc
 	}
 	if (st->pc == 0 || st->pc >= USER_SPACE_END) {
 		key->user_status = -FIRN_EFAULT;
-		return;
+		return 0;
 	}
 	st->tgid = key->tgid;
 	st->start_ns = key->start_ns;
 	st->exec_id = key->exec_id;
 	st->len = 0;
 	st->cached = 0;
+	st->unmapped = 0;
 	st->end = FIRN_END_COMPLETE;
 	st->bp_known = 1;
 	st->exact_pc = 1;
@@ -471,7 +477,7 @@ static __always_inline void user_stack(void *ctx, int in_user, struct task_struc
 	len = st->len;
 	if (len == 0) {
 		key->user_status = -FIRN_EFAULT;
-		return;
+		return 0;
 	}
 	if (len < FIRN_MAX_STACK_DEPTH)
 		st->stack.frames[len] = 0;
@@ -479,7 +485,7 @@ static __always_inline void user_stack(void *ctx, int in_user, struct task_struc
 	bump(FIRN_CTR_END_BASE + key->unwind_end);
 	key->user_stack = st->hash ? st->hash : 1;
 	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
-		return;
+		return st->unmapped;
 	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
 	if (bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
 	    !bpf_map_lookup_elem(ustacks, &key->user_stack)) {
@@ -487,6 +493,7 @@ static __always_inline void user_stack(void *ctx, int in_user, struct task_struc
 		key->user_stack = 0;
 		key->user_status = -FIRN_ENOMEM;
 	}
+	return st->unmapped;
 }
 
 #endif
