@@ -239,7 +239,7 @@ fn lived_ran_queued(pid: u32) -> (f64, f64, f64) {
     ((now - ticks / 100.0) * 1e9, ran, queued)
 }
 
-/// A storm of 100 µs sleeps on 16 threads (some 100,000 switches a second) with the
+/// A storm of 250 µs sleeps on 16 threads (some 50,000 switches a second) with the
 /// default draw: about --off-cpu-rate switches a second per CPU are taken, the others
 /// counted as not drawn, and the weighted total still matches the time the threads
 /// measured themselves asleep (waits far longer than a stack walk, so what the walk
@@ -261,7 +261,7 @@ fn a_storm_of_short_waits_is_drawn_fairly() {
     );
     let t0 = Instant::now();
     let mut cmd = Command::new(exe);
-    cmd.args(["10", "16", "100"]);
+    cmd.args(["12", "16", "250"]);
     let mut p = Proc::spawn("napstorm", cmd);
     let line = p
         .wait_for("off_cpu_ns", 60 * SECS)

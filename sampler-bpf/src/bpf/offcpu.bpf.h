@@ -64,10 +64,11 @@ struct {
 /* Each CPU's draw: the window's start, its switches and its taken ones, and its N. */
 struct firn_off_rate {
 	__u64 window_start;
-	__u32 switches;
-	__u32 taken;
-	__u32 every;
-	__u32 pad;
+	__u32 switches;           /* voluntary switches in this window */
+	__u32 taken;              /* taken since N last rose */
+	__u32 every;              /* N */
+	__u32 rng;                /* xorshift32 state (0: not seeded yet) */
+	__u64 not_drawn;          /* switches not taken, not added to the counter yet */
 };
 
 struct {
@@ -77,6 +78,10 @@ struct {
 	__type(value, struct firn_off_rate);
 } off_rate SEC(".maps");
 
+/* Not-drawn switches a CPU adds to its counter at once (and at each window's end):
+ * every untaken switch costs no counter lookup of its own. */
+#define FIRN_OFF_FLUSH 256
+
 static __always_inline __u32 at_least_every(__u64 n)
 {
 	if (n > FIRN_OFF_MAX_EVERY)
@@ -84,22 +89,33 @@ static __always_inline __u32 at_least_every(__u64 n)
 	return n < off_cpu_every ? off_cpu_every : (__u32)n;
 }
 
-/* Whether this voluntary switch on this CPU is taken, and the N it was drawn one in.
- * N changes only between draws, from what came before them: each draw's probability is
- * known when it is made, so the weighted totals stay unbiased. */
+static __always_inline void flush_not_drawn(struct firn_off_rate *r)
+{
+	if (r->not_drawn) {
+		add(FIRN_CTR_OFF_UNSAMPLED, r->not_drawn);
+		r->not_drawn = 0;
+	}
+}
+
+/* Whether this voluntary switch on this CPU is taken, and the N it was drawn one in
+ * (0: not taken). N changes only between draws, from what came before them: each
+ * draw's probability is known when it is made, so the weighted totals stay unbiased.
+ * This runs at every voluntary switch, so it reads the clock at one in 64 and draws
+ * from a per-CPU xorshift rather than the kernel's generator. */
 static __always_inline __u32 draw(void)
 {
-	__u32 zero = 0, per_window;
+	__u32 zero = 0, per_window, x;
 	struct firn_off_rate *r = bpf_map_lookup_elem(&off_rate, &zero);
 	__u64 now, n;
 
 	if (!r)
 		return 0;
-	if (r->every == 0)
+	if (r->rng == 0) {
+		r->rng = bpf_get_prandom_u32() | 1;
 		r->every = at_least_every(1);
+	}
 	if (off_cpu_rate != 0) {
 		r->switches += 1;
-		/* The clock is read at a window's first switch and every 64th, not at each. */
 		if ((r->switches & 63) == 0 || r->window_start == 0) {
 			now = bpf_ktime_get_ns();
 			if (now - r->window_start >= FIRN_OFF_WINDOW_NS) {
@@ -114,11 +130,23 @@ static __always_inline __u32 draw(void)
 				r->window_start = now;
 				r->switches = 0;
 				r->taken = 0;
+				flush_not_drawn(r);
 			}
 		}
 	}
-	if (r->every > 1 && bpf_get_prandom_u32() % r->every != 0)
-		return 0;
+	if (r->every > 1) {
+		x = r->rng;
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		r->rng = x;
+		if (x % r->every != 0) {
+			r->not_drawn += 1;
+			if (r->not_drawn >= FIRN_OFF_FLUSH)
+				flush_not_drawn(r);
+			return 0;
+		}
+	}
 	if (off_cpu_rate != 0) {
 		/* A storm that begins within a window doubles N each time the window's
 		 * share of the rate is spent, rather than waiting for the window's end. */
@@ -180,10 +208,8 @@ int firn_switch(unsigned long long *ctx)
 	    (prev->flags & FIRN_PF_KTHREAD) || (__u32)prev->tgid == off_cpu_self_tgid)
 		return 0;
 	every = draw();
-	if (every == 0) {
-		bump(FIRN_CTR_OFF_UNSAMPLED);
+	if (every == 0)
 		return 0;
-	}
 	w = bpf_task_storage_get(&off_waits, prev, 0, BPF_LOCAL_STORAGE_GET_F_CREATE);
 	if (!w) {
 		bump(FIRN_CTR_OFF_NO_STORAGE);

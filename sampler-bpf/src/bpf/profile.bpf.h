@@ -39,7 +39,7 @@ enum firn_counter {
 	 * switch-in, where its stacks are taken. */
 	FIRN_CTR_OFF_WAITS = 28,       /* waits counted */
 	FIRN_CTR_OFF_SHORT = 29,       /* waits under --off-cpu-min-us, skipped */
-	FIRN_CTR_OFF_UNSAMPLED = 30,   /* voluntary switches not drawn (1 in --off-cpu-every is) */
+	FIRN_CTR_OFF_UNSAMPLED = 30,   /* voluntary switches not drawn (added 256 at a time per CPU) */
 	FIRN_CTR_OFF_NO_STORAGE = 31,  /* switch-outs not timed: task storage not allocated */
 	FIRN_CTR_OFF_NS = 32,          /* off-CPU nanoseconds counted (weighted) */
 	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
