@@ -133,9 +133,16 @@ def run(pairs, seconds):
             base = one("none", None, seconds, 0)
             base["rep"] = rep
             runs.append(base)
+            on_cpu = None
             for label, extra in CONFIGS:
                 r = one(label, extra, seconds, max(5, seconds // 2))
                 r["rep"], r["ratio"] = rep, r["ops"] / base["ops"]
+                # Against firn without the flag in the same repetition: the flag's own
+                # cost (the issue's "with and without --off-cpu").
+                if on_cpu is None:
+                    on_cpu = r["ops"]
+                else:
+                    r["ratio_flag"] = r["ops"] / on_cpu
                 runs.append(r)
         rest = {"off": at_rest([]), "on": at_rest(["--off-cpu"])}
     finally:
@@ -146,17 +153,19 @@ def run(pairs, seconds):
 def report(res):
     """The BENCHMARKS.md section."""
     runs = res["runs"]
-    lines = ["| run | pipe throughput / none | BPF ns per switch (all programs) | sched_switch program ns per run "
-             "| switches/s | waits taken | sampler / enricher ms/s | sampler peak MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | pipe throughput / none | / firn without the flag | BPF ns per switch (all programs) "
+             "| sched_switch program ns per run | switches/s | waits taken | sampler / enricher ms/s "
+             "| sampler peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     base = bl.med([r["ops"] for r in runs if r["label"] == "none"])
-    lines.append(f"| no firn | {bl.fmt(base, '{:,.0f}')} ops/s | – | – | – | – | – | – |")
+    lines.append(f"| no firn | {bl.fmt(base, '{:,.0f}')} ops/s | – | – | – | – | – | – | – |")
     for label, _ in CONFIGS:
         rs = [r for r in runs if r["label"] == label]
 
         def m(key, spec="{:.1f}"):
             return bl.fmt(bl.med([r[key] for r in rs]), spec)
-        lines.append(f"| {label} | **{m('ratio', '{:.3f}')}** | {m('bpf_ns_per_switch', '{:.0f}')} | "
+        flag = m("ratio_flag", "{:.3f}") if all("ratio_flag" in r for r in rs) else "–"
+        lines.append(f"| {label} | {m('ratio', '{:.3f}')} | **{flag}** | {m('bpf_ns_per_switch', '{:.0f}')} | "
                      f"{m('switch_prog_ns', '{:.0f}') if 'off-cpu' in label else '–'} | "
                      f"{m('switches_per_s', '{:,.0f}')} | {m('waits', '{:,.0f}')} | "
                      f"{m('sampler_ms_s')} / {m('enricher_ms_s')} | {m('sampler_hwm_mib')} |")
@@ -164,7 +173,9 @@ def report(res):
     lines += ["", f"Idle node, 99 Hz, 10 s rounds, CPU over 60 s after 30 s: without the flag sampler "
               f"{off[0]:.2f} and enricher {off[1]:.2f} ms/s; with `--off-cpu` sampler {on[0]:.2f} and "
               f"enricher {on[1]:.2f} ms/s."]
-    d = bl.med([r["ratio"] for r in runs if r["label"] == "firn --off-cpu"])
-    lines += ["", f"Against the target (≤ 5 % throughput loss with the default settings): "
-              f"{(1 - d[0]) * 100:.1f} % lost by the median ({'met' if d[0] >= 0.95 else 'missed'})."]
+    d = bl.med([r["ratio_flag"] for r in runs if r["label"] == "firn --off-cpu"])
+    lines += ["", f"Against the target (≤ 5 % throughput loss with the default settings, firn with the flag "
+              f"against firn without it, each repetition's pair): {(1 - d[0]) * 100:.1f} % lost by the median, "
+              f"{(1 - d[2]) * 100:.1f}–{(1 - d[1]) * 100:.1f} % over the repetitions "
+              f"({'met' if d[0] >= 0.95 else 'missed'} by the median)."]
     return "\n".join(lines)

@@ -101,7 +101,7 @@ static __always_inline void flush_not_drawn(struct firn_off_rate *r)
  * (0: not taken). N changes only between draws, from what came before them: each
  * draw's probability is known when it is made, so the weighted totals stay unbiased.
  * This runs at every voluntary switch, so it reads the clock at one in 64 and draws
- * from a per-CPU xorshift rather than the kernel's generator. */
+ * from a per-CPU xorshift rather than the kernel's generator, without a division. */
 static __always_inline __u32 draw(void)
 {
 	__u32 zero = 0, per_window, x;
@@ -140,7 +140,9 @@ static __always_inline __u32 draw(void)
 		x ^= x >> 17;
 		x ^= x << 5;
 		r->rng = x;
-		if (x % r->every != 0) {
+		/* One in N without a division: x * N / 2^32 is 0 for about 2^32 / N values of
+		 * x (off by at most N / 2^32, nothing at these N). */
+		if (((__u64)x * r->every) >> 32 != 0) {
 			r->not_drawn += 1;
 			if (r->not_drawn >= FIRN_OFF_FLUSH)
 				flush_not_drawn(r);
