@@ -103,6 +103,8 @@ counters! {
     batches_queued: "batches put into subscriber queues",
     batches_sent: "batches delivered to subscribers",
     processes_announced: "process records queued for subscribers as soon as read, ahead of their round's batch",
+    processes_read_from_facts: "new processes read with what their NEW event told (no stat, exe or owner lookups); a kernel thread with no read at all",
+    process_facts_mismatched: "new processes whose mappings did not hold the executable where BPF saw it (exec'd, pid reused, or a filesystem naming another inode): read the stat-checked way",
     remap_events: "REMAP events: a known process ran code outside its record's mappings (mapped after the read: a loader still at work, a dlopen)",
     remap_events_skipped: "REMAP events not acted on: the process ended or was not read yet, or a read for it lately changed nothing (backing off, up to 10 s)",
     remap_reads_changed: "mapping reads after a REMAP event that found new mappings (sent at once, their files' tables then built)",

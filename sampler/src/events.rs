@@ -37,6 +37,8 @@ pub(crate) struct ProcEvent {
 }
 
 const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
+/// `FIRN_EVF_KTHREAD` (profile.bpf.h): a kernel thread.
+const FIRN_EVF_KTHREAD: u32 = 1;
 
 /// A ring buffer record as the program writes it; `None` for any other size or kind.
 pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
@@ -66,6 +68,12 @@ pub(crate) fn parse(b: &[u8]) -> Option<ProcEvent> {
             dev: e.exe_dev,
             ino: e.exe_ino,
             start_code: e.start_code,
+            facts: (kind == EventKind::New).then(|| crate::facts::Facts {
+                ppid: e.ppid,
+                euid: e.euid,
+                kernel_thread: e.flags & FIRN_EVF_KTHREAD != 0,
+                comm: e.leader_comm.map(|c| c as u8),
+            }),
         },
         cgroup_id: e.cgroup_id,
     })
@@ -133,6 +141,11 @@ mod tests {
             exe_ino: 11,
             cgroup_id: 13,
             start_code: 19,
+            ppid: 23,
+            euid: 29,
+            flags: 1,
+            reserved: 0,
+            leader_comm: comm,
         };
         // SAFETY: firn_event is plain data; viewing it as bytes is sound.
         unsafe { std::slice::from_raw_parts((&raw const e).cast::<u8>(), EVENT_SIZE) }.to_vec()
@@ -152,6 +165,12 @@ mod tests {
         );
         assert_eq!((e.comm[0], e.exe.ino, e.cgroup_id), (b'x', 11, 13));
         assert_eq!((e.exe.dev, e.exe.start_code), (17, 19));
+        assert!(e.exe.facts.is_none(), "only a NEW event tells facts");
+        let f = parse(&raw(1)).unwrap().exe.facts.expect("NEW facts");
+        assert_eq!(
+            (f.ppid, f.euid, f.kernel_thread, f.comm[0]),
+            (23, 29, true, b'x')
+        );
         assert_eq!(parse(&raw(4)).unwrap().kind, EventKind::Cgroup);
         assert_eq!(parse(&raw(5)).unwrap().kind, EventKind::Remap);
         assert!(parse(&raw(9)).is_none(), "unknown kind");

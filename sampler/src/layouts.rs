@@ -19,7 +19,8 @@ const MAX_BYTES: usize = 256 << 10;
 /// past it is not this process's.
 const USER_END: u64 = 1 << 48;
 
-/// The executable a process ran at its first sample, as BPF saw it (all 0: none).
+/// The executable a process ran at its first sample, as BPF saw it (all 0: none), and
+/// the rest of what the NEW event told of it (none when it was first seen otherwise).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub(crate) struct ExeSeen {
     /// The file's device, as the kernel encodes it (major << 20 | minor).
@@ -27,6 +28,7 @@ pub(crate) struct ExeSeen {
     pub(crate) ino: u64,
     /// `mm->start_code`: the executable's load bias plus its lowest executable p_vaddr.
     pub(crate) start_code: u64,
+    pub(crate) facts: Option<crate::facts::Facts>,
 }
 
 impl ExeSeen {
@@ -183,6 +185,7 @@ mod tests {
             dev: DEV,
             ino: 5,
             start_code,
+            facts: None,
         };
         l.learn(
             seen(0x5555_0000_1000),
@@ -241,6 +244,7 @@ mod tests {
             dev: DEV,
             ino: 5,
             start_code: 0x9999_0000_0000,
+            facts: None,
         };
         l.learn(
             seen,

@@ -10,6 +10,7 @@ mod counters;
 mod drain;
 mod drop;
 mod events;
+mod facts;
 mod handles;
 mod hub;
 mod kallsyms;

@@ -5,6 +5,7 @@
 use std::cell::RefCell;
 
 use crate::counters::{add, bump, Counters};
+use crate::facts;
 use crate::handles::Handles;
 use crate::layouts::{ExeSeen, Layouts};
 use crate::processes::ProcKey;
@@ -21,7 +22,29 @@ pub(crate) fn read_record(
 ) -> (ProcessRecord, usize) {
     let (tgid, start_ns) = (key.tgid, key.start_ns);
     let t0 = std::time::Instant::now();
-    let got = procfs::read_process_at(tgid, start_ns, exe.ino, cgroup);
+    let got = match exe.facts.filter(|f| facts::usable(&exe, f)) {
+        Some(f) => match facts::read_process((tgid, start_ns), &exe, &f, cgroup) {
+            Ok((r, read, Some(dir))) => {
+                bump(&counters.processes_read_from_facts);
+                Ok((r, read, dir))
+            }
+            // A kernel thread: nothing to read, nothing to hold.
+            Ok((r, _, None)) => {
+                bump(&counters.processes_read);
+                bump(&counters.processes_read_from_facts);
+                return (r, 0);
+            }
+            // Not the executable BPF saw where it saw it: exec'd, reused, or a
+            // filesystem whose maps name another inode than `exe`. The stat-checked
+            // read tells which.
+            Err(ProcError::Execed { .. }) => {
+                bump(&counters.process_facts_mismatched);
+                procfs::read_process_at(tgid, start_ns, exe.ino, cgroup)
+            }
+            Err(e) => Err(e),
+        },
+        None => procfs::read_process_at(tgid, start_ns, exe.ino, cgroup),
+    };
     add(
         &counters.process_read_ns,
         u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),

@@ -177,9 +177,19 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id, __u64
 	e->exe_dev = 0;
 	e->exe_ino = 0;
 	e->start_code = 0;
+	e->ppid = 0;
+	e->euid = 0;
+	e->flags = 0;
+	e->reserved = 0;
+	__builtin_memset(e->leader_comm, 0, sizeof(e->leader_comm));
 	if (kind == FIRN_EV_NEW) {
 		struct task_struct *task = (struct task_struct *)bpf_get_current_task();
 
+		e->ppid = BPF_CORE_READ(task, real_parent, tgid);
+		e->euid = BPF_CORE_READ(task, cred, euid.val);
+		if (BPF_CORE_READ(task, flags) & FIRN_PF_KTHREAD)
+			e->flags |= FIRN_EVF_KTHREAD;
+		BPF_CORE_READ_STR_INTO(&e->leader_comm, task, group_leader, comm);
 		/* Lets the sampler tell whether /proc still shows this program when it reads
 		 * it (an exec may come between), and describe a process gone before it could
 		 * be read from another of the same file (its code placed by start_code).

@@ -214,8 +214,21 @@ struct firn_event {
 	__u64 start_code;                /* NEW: mm->start_code, where its loader put the
 	                                  * executable's code (its load bias + lowest PF_X
 	                                  * p_vaddr); 0: none */
+	/* NEW: what /proc/<pid>/stat and the directory's owner would say, so that the
+	 * sampler reads neither (the record's process comm, parent, user). */
+	__u32 ppid;                      /* the parent's tgid */
+	__u32 euid;                      /* effective uid (kernel's, not namespaced) */
+	__u32 flags;                     /* FIRN_EVF_* */
+	__u32 reserved;
+	char leader_comm[FIRN_TASK_COMM_LEN]; /* the main thread's comm */
 };
-_Static_assert(sizeof(struct firn_event) == 64, "firn_event is 64 bytes");
+_Static_assert(sizeof(struct firn_event) == 96, "firn_event is 96 bytes");
+
+/* linux/sched.h: task_struct.flags of a kernel thread. */
+#define FIRN_PF_KTHREAD 0x00200000
+
+/* firn_event.flags */
+#define FIRN_EVF_KTHREAD 1               /* a kernel thread: nothing to read in /proc */
 
 /* ---- CPython (python.bpf.h; written by the sampler from a checked record) ---- */
 
