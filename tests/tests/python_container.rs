@@ -150,8 +150,12 @@ fn python_frames_in_a_podman_container() {
         );
         // Overlay files: maps must name the inode BPF saw as the executable, or every
         // container process would be read twice (the facts path, then the stat path).
-        let facts = f.metric("firn_sampler_processes_read_from_facts").unwrap_or(0.0);
-        let mismatched = f.metric("firn_sampler_process_facts_mismatched").unwrap_or(-1.0);
+        let facts = f
+            .metric("firn_sampler_processes_read_from_facts")
+            .unwrap_or(0.0);
+        let mismatched = f
+            .metric("firn_sampler_process_facts_mismatched")
+            .unwrap_or(-1.0);
         eprintln!("read from the NEW event's facts: {facts}; mismatched {mismatched}");
         assert!(
             facts > 0.0 && (0.0..=facts / 10.0).contains(&mismatched),
