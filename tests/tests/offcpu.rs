@@ -367,6 +367,53 @@ fn a_switch_storm_leaves_the_sampler_bounded() {
     assert!(f.sampler.running() && f.enricher.as_mut().is_some_and(Proc::running));
 }
 
+/// A process killed while every one of its threads waits off CPU leaves nothing behind:
+/// a thread can only exit by running, so each wait ends (and is counted) as the kill
+/// wakes it, and task storage goes with the task. Twice, so that a second process
+/// (whose threads may get the first one's task memory) starts from nothing.
+#[test]
+fn a_process_killed_while_its_threads_wait_leaves_nothing_behind() {
+    if !can_run_bpf() {
+        return;
+    }
+    let exe = compile_plain("gcc", "sleepers.c", "sleepers-gcc", &["-O2", "-g", "-pthread"]);
+    let f = Firn::start(
+        "offcpu-killed",
+        &["--frequency", "99", "--off-cpu", "--off-cpu-rate", "0"],
+    );
+    const THREADS: f64 = 200.0;
+    for run in 0..2 {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("200");
+        let mut p = Proc::spawn("sleepers", cmd);
+        assert!(p.wait_for("ready", 30 * SECS).is_some(), "the sleepers did not start");
+        let t0 = Instant::now();
+        std::thread::sleep(3 * SECS);
+        p.signal(nix::sys::signal::Signal::SIGKILL);
+        let lived = t0.elapsed().as_secs_f64() * 1e9;
+        let _ = p.wait_exit(10 * SECS);
+        settle(&f);
+        // All its off-CPU time, with or without stacks: a wait that crossed a round's
+        // end is counted without them.
+        let t = off_cpu_traces(&f.profiles_of(p.pid()), &[]);
+        let waited: f64 = t.iter().map(|x| x.0 as f64).sum();
+        let untimed = f.metric("firn_sampler_bpf_off_cpu_untimed").unwrap_or(-1.0);
+        eprintln!(
+            "run {run}: {THREADS} threads killed while waiting: {:.1} s off CPU \
+             (each waited at least {:.1} s); untimed {untimed}",
+            waited / 1e9,
+            lived / 1e9
+        );
+        // Each thread waited from its start to the kill: at least the 3 s after all had
+        // started, at most what the process lived (a few ms more; the main thread too).
+        assert!(
+            waited >= 0.95 * THREADS * lived && waited <= 1.5 * (THREADS + 1.0) * lived,
+            "run {run}: {waited} ns off CPU, against {THREADS} × {lived} ns"
+        );
+        assert_eq!(untimed, 0.0, "switch-outs not timed");
+    }
+}
+
 /// The flag leaves on-CPU samples as they are: a gcc -O2 call chain gets as many
 /// samples per second, as whole to `main`, with --off-cpu as without.
 #[test]
