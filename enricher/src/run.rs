@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::output::{http, Outputs};
 use crate::settings::file::Labeling;
 use crate::settings::{self, Settings};
-use crate::{confine, summary, symbolize};
+use crate::{confine, heap, summary, symbolize};
 
 impl crate::output::BinaryFiles for symbolize::Symbolizer {
     fn file_of(&self, build_id: &[u8]) -> Option<std::fs::File> {
@@ -61,6 +61,7 @@ pub fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     raise_fd_limit();
+    heap::configure();
     let confinement = match confine(&settings) {
         Ok(c) => c,
         Err(code) => return code,
@@ -145,6 +146,7 @@ fn raise_fd_limit() {
 struct Pipeline {
     enricher: Enricher,
     outputs: Outputs,
+    heap: heap::Trimmer,
 }
 
 /// What the event loop keeps of the sampler session.
@@ -202,8 +204,8 @@ impl Pipeline {
         // A round's transient memory (the batch, unwind tables being built, the encoded
         // profiles) is free now: give its pages back rather than let the heap keep its
         // high-water mark until the next burst.
-        // SAFETY: malloc_trim has no preconditions.
-        unsafe { libc::malloc_trim(0) };
+        self.enricher.take_table_bytes();
+        self.heap.trim(metrics);
         Ok(())
     }
 }
@@ -278,6 +280,7 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
             _ = tokio::time::sleep(early.unwrap_or_default()), if early.is_some() => {
                 if let (Some(p), Some(b)) = (pipeline.as_mut(), session.broker.as_deref()) {
                     p.enricher.early_work(b).await;
+                    p.heap.after_tables(p.enricher.take_table_bytes(), &metrics);
                 }
                 continue;
             }
@@ -300,6 +303,7 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
                 p.enricher
                     .announced(records, session.broker.as_deref())
                     .await;
+                p.heap.after_tables(p.enricher.take_table_bytes(), &metrics);
             }
             Event::Batch(batch) => {
                 if let Err(code) = p.round(batch, &mut session, &s, &metrics).await {
@@ -397,7 +401,11 @@ async fn start(
         tracing::error!("{e}");
         ExitCode::from(2)
     })?;
-    Ok(Pipeline { enricher, outputs })
+    Ok(Pipeline {
+        enricher,
+        outputs,
+        heap: heap::Trimmer::default(),
+    })
 }
 
 /// `--healthcheck`: 0 when /healthz of the local server answers 200.

@@ -182,19 +182,36 @@ fn only_this_server_s_names_same_site_pages_and_the_token_are_answered() {
     }
 }
 
-/// The enricher's peak RSS and the most threads it had, sampled every 100 ms while
-/// `running`.
-fn watch(pid: u32, running: Arc<AtomicBool>) -> std::thread::JoinHandle<(u64, u64)> {
+/// What the watcher saw of the enricher: its peak RSS (VmHWM), the most anonymous and
+/// file-backed resident memory sampled (RssAnon, RssFile, KiB: which kind a peak is
+/// tells heap from mapped files), and the most threads.
+struct Watched {
+    hwm_kib: u64,
+    anon_kib: u64,
+    file_kib: u64,
+    threads: u64,
+}
+
+/// Samples the enricher every 100 ms while `running`.
+fn watch(pid: u32, running: Arc<AtomicBool>) -> std::thread::JoinHandle<Watched> {
     std::thread::spawn(move || {
-        let mut threads = 0;
+        let mut w = Watched {
+            hwm_kib: 0,
+            anon_kib: 0,
+            file_kib: 0,
+            threads: 0,
+        };
         while running.load(Ordering::Relaxed) {
             let t = status_field(pid, "Threads")
                 .and_then(|t| t.parse().ok())
                 .unwrap_or(0);
-            threads = threads.max(t);
+            w.threads = w.threads.max(t);
+            w.anon_kib = w.anon_kib.max(status_kib(pid, "RssAnon").unwrap_or(0));
+            w.file_kib = w.file_kib.max(status_kib(pid, "RssFile").unwrap_or(0));
             std::thread::sleep(Duration::from_millis(100));
         }
-        (status_kib(pid, "VmHWM").unwrap_or(0), threads)
+        w.hwm_kib = status_kib(pid, "VmHWM").unwrap_or(0);
+        w
     })
 }
 
@@ -204,6 +221,10 @@ fn sixty_four_view_clients_stay_under_the_pod_limit_and_rounds_keep_coming() {
         return;
     }
     let f = Firn::start("http-load", &["--frequency", "99", "--round", "2"]);
+    // Watched from its start: the tables of a build beside it come at any time.
+    let enricher = f.enricher.as_ref().unwrap().pid();
+    let running = Arc::new(AtomicBool::new(true));
+    let watcher = watch(enricher, running.clone());
     // Work with many distinct stacks, so that each view has a tree to build.
     let mut busy = start_workload(&workload("busy"), &["40"]);
     let mut chain = start_workload(&workload("chain"), &["40"]);
@@ -212,12 +233,9 @@ fn sixty_four_view_clients_stay_under_the_pod_limit_and_rounds_keep_coming() {
         f.wait_profiles(pid, 3, 20 * SECS).len() >= 3,
         "no profiles before the load"
     );
-    let enricher = f.enricher.as_ref().unwrap().pid();
     let base_kib = status_kib(enricher, "VmRSS").unwrap_or(0);
     let rounds_before = pid_rounds(&f.out, pid).len();
 
-    let running = Arc::new(AtomicBool::new(true));
-    let watcher = watch(enricher, running.clone());
     let answered = Arc::new(AtomicU64::new(0));
     let busy_answers = Arc::new(AtomicU64::new(0));
     let load = Duration::from_secs(20);
@@ -254,16 +272,38 @@ fn sixty_four_view_clients_stay_under_the_pod_limit_and_rounds_keep_coming() {
         }
     }
     running.store(false, Ordering::Relaxed);
-    let (peak_kib, threads) = watcher.join().unwrap();
+    let Watched {
+        hwm_kib: peak_kib,
+        anon_kib,
+        file_kib,
+        threads,
+    } = watcher.join().unwrap();
     let rounds_during = pid_rounds(&f.out, pid).len() - rounds_before;
     let lag = f
         .metric("firn_enricher_round_lag_seconds")
         .unwrap_or(f64::MAX);
     eprintln!(
         "64 clients for {load:?}: answers {statuses:?}; enricher RSS {base_kib} KiB before, \
-         peak {peak_kib} KiB, at most {threads} threads; {rounds_during} rounds written \
-         meanwhile, lag after {lag:.3} s"
+         peak {peak_kib} KiB (RssAnon at most {anon_kib}, RssFile {file_kib}), at most \
+         {threads} threads; {rounds_during} rounds written meanwhile, lag after {lag:.3} s"
     );
+    // What the tables cost meanwhile (a build beside the test brings many binaries).
+    let tables: Vec<String> = [
+        "unwind_tables_built",
+        "unwind_tables_sent",
+        "unwind_tables_refused",
+        "unwind_table_cache_hits",
+        "unwind_table_cache_misses",
+    ]
+    .iter()
+    .map(|n| {
+        let v = f
+            .metric(&format!("firn_enricher_{n}_total"))
+            .unwrap_or(-1.0);
+        format!("{n} {v}")
+    })
+    .collect();
+    eprintln!("tables: {}", tables.join(", "));
     busy.wait_exit(60 * SECS);
     chain.wait_exit(60 * SECS);
     assert!(

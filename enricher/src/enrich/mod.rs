@@ -114,6 +114,8 @@ pub struct Enricher {
     /// CPython interpreter files analysed (device, inode → record), and the names of
     /// the Python code objects the sampler forwarded.
     pub(crate) python: python::Python,
+    /// Bytes of unwind tables built or read since last taken (when to trim the heap).
+    table_bytes: u64,
 }
 
 fn dev_of(m: &crate::batch::Mapping) -> u64 {
@@ -133,7 +135,13 @@ impl Enricher {
             table_cache: None,
             main_comms: std::collections::HashMap::new(),
             python: python::Python::default(),
+            table_bytes: 0,
         }
+    }
+
+    /// Bytes of unwind tables built or read from the cache since the last call.
+    pub(crate) fn take_table_bytes(&mut self) -> u64 {
+        std::mem::take(&mut self.table_bytes)
     }
 
     /// The round of `batch`. Without a link (the broker channel is down), frames of

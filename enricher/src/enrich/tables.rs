@@ -138,7 +138,8 @@ impl Enricher {
         const ROW: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
         let metrics = self.metrics.clone();
         let m = &*metrics;
-        let map = match crate::unwind::map_fd(fd) {
+        let opened = std::fs::File::from(fd);
+        let map = match crate::unwind::map_file(&opened) {
             Ok(map) => map,
             Err(e) => {
                 Metrics::inc(&m.unwind_table_build_errors);
@@ -150,11 +151,18 @@ impl Enricher {
             let record = self.note_interpreter(&map, path);
             self.python.set_file(file, record);
         }
-        let key = self.table_cache.as_ref().map(|_| key_of(&map));
+        let key = self.table_cache.as_ref().and_then(|_| {
+            let key = key_of(&opened, &map);
+            if key.is_none() {
+                Metrics::inc(&m.unwind_table_cache_skipped);
+            }
+            key
+        });
         if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
             match cache.get(key) {
                 Found::Rows(bytes) => {
                     Metrics::inc(&m.unwind_table_cache_hits);
+                    self.table_bytes += bytes.len() as u64;
                     let rows = bytes.len() / ROW;
                     return (rows > 0).then_some((bytes, rows));
                 }
@@ -187,7 +195,10 @@ impl Enricher {
         };
         Metrics::inc(&m.unwind_tables_built);
         tracing::debug!(path, rows = table.rows.len(), fdes = table.fdes, source = ?table.source, "unwind table built");
-        let bytes = table.bytes();
+        let rows = table.rows.len();
+        let bytes = table.into_bytes();
+        // What building it took is a few times this (rows, their sort, the bytes).
+        self.table_bytes += bytes.len() as u64;
         if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
             match cache.put(key, &bytes) {
                 Ok(Some(evicted)) => Metrics::add(&m.unwind_table_cache_evicted, evicted),
@@ -202,7 +213,7 @@ impl Enricher {
             m.unwind_cache_entries
                 .store(cache.len() as u64, std::sync::atomic::Ordering::Relaxed);
         }
-        Some((bytes, table.rows.len()))
+        Some((bytes, rows))
     }
 
     /// A CPython interpreter among a process's files: its version and layout, from the

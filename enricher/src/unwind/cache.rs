@@ -53,56 +53,78 @@ pub(crate) struct Cache {
     entries: HashMap<String, Entry>,
 }
 
-/// The cache key of a binary's bytes: `b-<build id>-<digest>` (`h-<digest>` without a
-/// build id), the digest a SHA-256 of firn's version, the ELF header and program headers
-/// and the CFI sections (`.eh_frame`, `.eh_frame_hdr`, `.debug_frame`): everything the
-/// table is built from. A file that does not parse is digested whole.
-pub(crate) fn key_of(map: &[u8]) -> String {
+/// Bytes hashed per read for a key: the file is read through the page cache into this
+/// small buffer, never through the mapping (whose pages would count in the RSS).
+const KEY_CHUNK: usize = 64 << 10;
+
+/// The cache key of a brokered file: `b-<build id>-<digest>` (`h-<digest>` without a
+/// build id), the digest a SHA-256 of firn's version, the ELF header, the program
+/// headers and the CFI sections (`.eh_frame` and `.eh_frame_hdr`, else `.debug_frame`):
+/// everything the table is built from. `None`: not cached (counted by the caller) when
+/// the file is not a 64-bit ELF, or its CFI is named by no section (the builder finds it
+/// through `PT_GNU_EH_FRAME` then, and the key could not tell two such files apart).
+///
+/// Only the headers are parsed from `map` (a few pages); the ranges are hashed with
+/// `pread` from `file`. A BOLT-rewritten binary (rustc's `librustc_driver`) keeps its
+/// program headers near its end, and a mapping read up to them faulted ~90–140 MiB of
+/// the file into the enricher's RSS.
+pub(crate) fn key_of(file: &std::fs::File, map: &[u8]) -> Option<String> {
+    use object::read::elf::ElfFile64;
     use object::{Object, ObjectSection};
+    let (ranges, id) = crate::symbolize::contained(|| {
+        let f = ElfFile64::<object::Endianness>::parse(map).ok()?;
+        let (h, en) = (f.elf_header(), f.endian());
+        let phoff = h.e_phoff.get(en);
+        let phlen = u64::from(h.e_phnum.get(en)) * u64::from(h.e_phentsize.get(en));
+        let header = std::mem::size_of_val(h) as u64;
+        let mut ranges = vec![(0, header), (phoff, phlen)];
+        let range = |name| f.section_by_name(name).and_then(|s| s.file_range());
+        match range(".eh_frame") {
+            Some(eh) => {
+                ranges.push(eh);
+                ranges.extend(range(".eh_frame_hdr"));
+            }
+            None => ranges.push(range(".debug_frame")?),
+        }
+        let id = f.build_id().ok().flatten().map(<[u8]>::to_vec);
+        Some((ranges, id))
+    })
+    .flatten()?;
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     ctx.update(env!("CARGO_PKG_VERSION").as_bytes());
     ctx.update(&FORMAT.to_le_bytes());
-    let parsed = crate::symbolize::contained(|| {
-        let f = object::File::parse(map).ok()?;
-        // The ELF header and program headers: the segments place the rows' offsets.
-        let phdrs = match &f {
-            object::File::Elf64(e) => {
-                let (h, en) = (e.elf_header(), e.endian());
-                let off = usize::try_from(h.e_phoff.get(en)).ok()?;
-                let len = usize::from(h.e_phnum.get(en)) * usize::from(h.e_phentsize.get(en));
-                map.get(..off.checked_add(len)?)?
-            }
-            _ => map.get(..64)?,
-        };
-        // The sections the builder reads: `.eh_frame` (and its header) when there is
-        // one, else `.debug_frame`. Only those: reading a big `.debug_frame` the builder
-        // skips would fault its pages in for nothing (they count in the enricher's RSS).
-        let mut parts = vec![phdrs];
-        let section = |name| f.section_by_name(name).and_then(|s| s.data().ok());
-        match section(".eh_frame") {
-            Some(eh) => {
-                parts.push(eh);
-                parts.extend(section(".eh_frame_hdr"));
-            }
-            None => parts.extend(section(".debug_frame")),
-        }
-        let id = f.build_id().ok().flatten().map(<[u8]>::to_vec);
-        Some((parts, id))
-    })
-    .flatten();
-    let Some((parts, id)) = parsed else {
-        ctx.update(map);
-        return format!("h-{}", hex(ctx.finish().as_ref()));
-    };
-    for p in parts {
-        ctx.update(&(p.len() as u64).to_le_bytes());
-        ctx.update(p);
+    let mut buf = vec![0u8; KEY_CHUNK];
+    for (at, len) in ranges {
+        ctx.update(&len.to_le_bytes());
+        digest_range(file, &mut ctx, &mut buf, at, len).ok()?;
     }
     let digest = hex(ctx.finish().as_ref());
-    match id.filter(|id| !id.is_empty()) {
+    Some(match id.filter(|id| !id.is_empty()) {
         Some(id) => format!("b-{}-{digest}", hex(&id)),
         None => format!("h-{digest}"),
+    })
+}
+
+/// Hashes `len` bytes of `file` from `at`, read through `buf`.
+fn digest_range(
+    file: &std::fs::File,
+    ctx: &mut ring::digest::Context,
+    buf: &mut [u8],
+    at: u64,
+    len: u64,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut done = 0;
+    while done < len {
+        let n = buf
+            .len()
+            .min(usize::try_from(len - done).unwrap_or(usize::MAX));
+        // A range past the file's end fails here (UnexpectedEof): no key.
+        file.read_exact_at(&mut buf[..n], at + done)?;
+        ctx.update(&buf[..n]);
+        done += n as u64;
     }
+    Ok(())
 }
 
 fn hex(b: &[u8]) -> String {
@@ -172,32 +194,30 @@ impl Cache {
         self.dir.join(format!("{key}.tbl"))
     }
 
-    /// The rows kept for `key`, checked. A hit counts as a use (for eviction).
+    /// The rows kept for `key`, checked. A hit counts as a use (for eviction). The
+    /// rows are the file's bytes with the header taken off in place: one buffer.
     pub(crate) fn get(&mut self, key: &str) -> Found {
         if !self.entries.contains_key(key) {
             return Found::Missing;
         }
         let path = self.path(key);
-        let Ok(data) = std::fs::read(&path) else {
+        let Ok(mut data) = std::fs::read(&path) else {
             self.remove(key);
             return Found::Missing;
         };
-        match check(&data) {
-            Some(rows) => {
-                let now = SystemTime::now();
-                if let Ok(f) = std::fs::File::options().write(true).open(&path) {
-                    let _ = f.set_modified(now);
-                }
-                if let Some(e) = self.entries.get_mut(key) {
-                    e.used = now;
-                }
-                Found::Rows(rows.to_vec())
-            }
-            None => {
-                self.remove(key);
-                Found::Corrupt
-            }
+        if check(&data).is_none() {
+            self.remove(key);
+            return Found::Corrupt;
         }
+        let now = SystemTime::now();
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(now);
+        }
+        if let Some(e) = self.entries.get_mut(key) {
+            e.used = now;
+        }
+        data.drain(..HEADER);
+        Found::Rows(data)
     }
 
     /// The bound now: `--unwind-cache-size`, and a quarter of what the filesystem has
@@ -359,11 +379,22 @@ mod tests {
 
     #[test]
     fn keys_are_build_ids_or_content_hashes() {
+        let dir = std::env::temp_dir().join(format!("firn-uwc-key-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let key = |name: &str, bytes: &[u8]| {
+            let path = dir.join(name);
+            std::fs::write(&path, bytes).unwrap();
+            let f = std::fs::File::open(&path).unwrap();
+            // SAFETY: a private read-only mapping of a file this test alone writes.
+            let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
+            key_of(&f, &map)
+        };
         let me = std::fs::read("/proc/self/exe").unwrap();
-        let k = key_of(&me);
+        let k = key("me", &me).expect("an ELF file with CFI has a key");
         assert!(k.starts_with("b-") && k.len() > 80, "{k}");
-        assert!(key_of(b"not an elf").starts_with("h-"));
-        assert_ne!(key_of(b"a"), key_of(b"b"));
+        assert_eq!(key("me", &me).as_deref(), Some(&*k), "stable");
+        assert_eq!(key("text", b"not an elf"), None, "not cached");
         // One build id, other CFI: another key.
         use object::{Object, ObjectSection};
         let f = object::File::parse(&*me).unwrap();
@@ -374,12 +405,15 @@ mod tests {
             .unwrap();
         let mut other = me.clone();
         other[at as usize + 40] ^= 1;
-        let k2 = key_of(&other);
+        let k2 = key("other", &other).unwrap();
         assert_ne!(k, k2);
         assert_eq!(
             k.split('-').nth(1),
             k2.split('-').nth(1),
             "the same build id"
         );
+        // Cut short inside its CFI: no key (the range is not all there).
+        assert_eq!(key("cut", &me[..at as usize + 100]), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

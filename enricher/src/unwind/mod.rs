@@ -5,7 +5,6 @@ pub mod build;
 pub(crate) mod cache;
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
 
 pub use build::{build, BuildError, Table};
 
@@ -77,8 +76,7 @@ pub(crate) enum LoadError {
 
 /// Maps a brokered file whole, read-only (never written), for its table and any other
 /// analysis of it.
-pub(crate) fn map_fd(fd: OwnedFd) -> Result<memmap2::Mmap, LoadError> {
-    let file = std::fs::File::from(fd);
+pub(crate) fn map_file(file: &std::fs::File) -> Result<memmap2::Mmap, LoadError> {
     let len = file.metadata()?.len();
     if len > MAX_FILE_BYTES {
         return Err(LoadError::TooLarge(len));
@@ -86,7 +84,7 @@ pub(crate) fn map_fd(fd: OwnedFd) -> Result<memmap2::Mmap, LoadError> {
     // SAFETY: a read-only private mapping of a brokered file. Another process could
     // truncate the file under us (SIGBUS); the sampler brokers only regular files that
     // processes have mapped executable, which are not truncated in practice.
-    Ok(unsafe { memmap2::Mmap::map(&file)? })
+    Ok(unsafe { memmap2::Mmap::map(file)? })
 }
 
 /// Builds the table of a mapped file, a panic contained.
