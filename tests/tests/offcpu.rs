@@ -376,7 +376,12 @@ fn a_process_killed_while_its_threads_wait_leaves_nothing_behind() {
     if !can_run_bpf() {
         return;
     }
-    let exe = compile_plain("gcc", "sleepers.c", "sleepers-gcc", &["-O2", "-g", "-pthread"]);
+    let exe = compile_plain(
+        "gcc",
+        "sleepers.c",
+        "sleepers-gcc",
+        &["-O2", "-g", "-pthread"],
+    );
     let f = Firn::start(
         "offcpu-killed",
         &["--frequency", "99", "--off-cpu", "--off-cpu-rate", "0"],
@@ -386,7 +391,10 @@ fn a_process_killed_while_its_threads_wait_leaves_nothing_behind() {
         let mut cmd = Command::new(&exe);
         cmd.arg("200");
         let mut p = Proc::spawn("sleepers", cmd);
-        assert!(p.wait_for("ready", 30 * SECS).is_some(), "the sleepers did not start");
+        assert!(
+            p.wait_for("ready", 30 * SECS).is_some(),
+            "the sleepers did not start"
+        );
         let t0 = Instant::now();
         std::thread::sleep(3 * SECS);
         p.signal(nix::sys::signal::Signal::SIGKILL);
