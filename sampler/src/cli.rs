@@ -104,10 +104,10 @@ pub(crate) struct Args {
     pub(crate) off_cpu_every: u32,
 
     /// With --off-cpu: take at most about this many switches a second on each CPU
-    /// (0–1000000; 0: no bound but --off-cpu-every). Each CPU raises its N every 100 ms
-    /// from its switch rate, so a quiet node takes every wait and a storm of switches
-    /// costs at most this many stack walks a second per CPU, its waits weighted.
-    #[arg(long, default_value_t = DEFAULT_OFF_CPU_RATE, value_parser = clap::value_parser!(u32).range(0..=1_000_000))]
+    /// (0, or 10–1000000; 0: no bound but --off-cpu-every). Each CPU raises its N every
+    /// 100 ms from its switch rate, so a quiet node takes every wait and a storm of
+    /// switches costs about this many stack walks a second per CPU, its waits weighted.
+    #[arg(long, default_value_t = DEFAULT_OFF_CPU_RATE, value_parser = parse_off_cpu_rate)]
     pub(crate) off_cpu_rate: u32,
 
     /// After setup, run as this user (name or uid) instead of root, keeping only
@@ -145,4 +145,26 @@ fn events_kib(s: &str) -> Result<u32, String> {
         ));
     }
     Ok(n)
+}
+
+/// `--off-cpu-rate`: 0, or a rate a 100 ms window can hold one of (10 a second and up).
+fn parse_off_cpu_rate(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(0) => Ok(0),
+        Ok(n @ 10..=1_000_000) => Ok(n),
+        Ok(_) => Err("0 (no bound) or 10–1000000 switches a second per CPU".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_off_cpu_rate_a_window_cannot_hold_is_refused() {
+        assert_eq!(super::parse_off_cpu_rate("0"), Ok(0));
+        assert_eq!(super::parse_off_cpu_rate("10"), Ok(10));
+        assert!(super::parse_off_cpu_rate("9").is_err());
+        assert!(super::parse_off_cpu_rate("1000001").is_err());
+        assert!(super::parse_off_cpu_rate("x").is_err());
+    }
 }

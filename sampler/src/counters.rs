@@ -107,6 +107,8 @@ counters! {
     process_facts_mismatched: "new processes whose mappings did not hold the executable where BPF saw it (exec'd, pid reused, or a filesystem naming another inode): read the stat-checked way",
     remap_events: "REMAP events: a known process ran code outside its record's mappings (mapped after the read: a loader still at work, a dlopen)",
     remap_events_skipped: "REMAP events not acted on: the process ended or was not read yet, or a read for it lately changed nothing (backing off, up to 10 s)",
+    remap_reads_no_budget: "REMAP events not acted on: the round's /proc budget is down to the half kept for new processes",
+    mapping_reads_other_program: "mapping reads of a known process that found another program (an exec whose event was not read yet): not taken",
     remap_reads_limited: "REMAP events not acted on: over 50 such reads a second over all processes (the round's end reads the mappings of samples outside them, as before)",
     remap_reads_changed: "mapping reads after a REMAP event that found new mappings (sent at once, their files' tables then built)",
     processes_not_announced: "process records read between rounds that a subscriber gets with the round's batch instead: every file they map was sent to it before (and none is a Python interpreter it has a record for)",

@@ -11,8 +11,10 @@
 //! that exec'd since maps another file, or the same file elsewhere (address space
 //! layout randomisation places each run apart); a pid reused by another process too.
 //! Only a pid reused, within the moment between the sample and the read, by a process
-//! of the same executable built without PIE would pass, and it would be described as
-//! that process.
+//! of the same executable placed at the same address would pass (built without PIE, or
+//! run with address randomisation off: `randomize_va_space=0`, `ADDR_NO_RANDOMIZE`), and
+//! it would be described as that process. The same check keeps a REMAP read from
+//! taking a later program's mappings ([`exe_mapping`]).
 
 use std::os::fd::OwnedFd;
 
@@ -44,14 +46,33 @@ pub(crate) fn usable(exe: &ExeSeen, facts: &Facts) -> bool {
     facts.kernel_thread || (exe.ino != 0 && exe.start_code != 0)
 }
 
+/// The mapping of `mappings` that holds the executable BPF saw where BPF saw its code;
+/// `None` when `exe` is not known (nothing to check against: `Some` of nothing).
+pub(crate) fn exe_mapping<'m>(
+    exe: &ExeSeen,
+    mappings: &'m [procfs::Mapping],
+) -> Option<Option<&'m procfs::Mapping>> {
+    if exe.ino == 0 || exe.start_code == 0 {
+        return None;
+    }
+    let file = (exe.dev >> 20, exe.dev & 0xf_ffff, exe.ino);
+    Some(
+        mappings
+            .iter()
+            .filter(|m| (m.dev_major, m.dev_minor, m.inode) == file)
+            .find(|m| holds(m, exe.start_code)),
+    )
+}
+
 /// The record of `pid` (started at `start_ns`), the bytes read and its `/proc/<pid>`
-/// directory fd (none for a kernel thread, which has nothing to read).
+/// directory fd (none for a kernel thread, which has nothing to read). A failure says
+/// what it had read before it (to be charged to the round's budget).
 pub(crate) fn read_process(
     (pid, start_ns): (u32, u64),
     exe: &ExeSeen,
     facts: &Facts,
     cgroup: Option<&[u8]>,
-) -> Result<(ProcessRecord, usize, Option<OwnedFd>), ProcError> {
+) -> Result<(ProcessRecord, usize, Option<OwnedFd>), (ProcError, usize)> {
     let mut record = ProcessRecord {
         pid,
         start_ns,
@@ -62,24 +83,25 @@ pub(crate) fn read_process(
         ..Default::default()
     };
     if facts.kernel_thread {
+        // Kernel threads live in the root cgroup; its text is what the caller knows, or
+        // the v2 root's.
+        record.cgroup = cgroup.map_or_else(|| b"0::/\n".to_vec(), <[u8]>::to_vec);
         return Ok((record, 0, None));
     }
-    let dir = procfs::open_proc_dir(pid)?;
+    let dir = procfs::open_proc_dir(pid).map_err(|e| (e, 0))?;
     // Mappings first: a short-lived process may be gone at the next read.
-    let ((mappings, code), maps_read) = procfs::read_maps(&dir, pid)?;
-    let file = (exe.dev >> 20, exe.dev & 0xf_ffff, exe.ino);
-    let of_exe = |m: &&procfs::Mapping| (m.dev_major, m.dev_minor, m.inode) == file;
-    let Some(exe_map) = mappings
-        .iter()
-        .filter(of_exe)
-        .find(|m| holds(m, exe.start_code))
-    else {
-        return Err(if mappings.is_empty() {
-            // Its memory went while it was read (exit_mm comes before the zombie state).
-            ProcError::Gone { pid }
-        } else {
-            ProcError::Execed { pid }
-        });
+    let ((mappings, code), maps_read) = procfs::read_maps(&dir, pid).map_err(|e| (e, 0))?;
+    let Some(Some(exe_map)) = exe_mapping(exe, &mappings) else {
+        return Err((
+            if mappings.is_empty() {
+                // Its memory went while it was read (exit_mm comes before the zombie
+                // state).
+                ProcError::Gone { pid }
+            } else {
+                ProcError::Execed { pid }
+            },
+            maps_read,
+        ));
     };
     record.exe = exe_map.path.clone();
     record.cmdline = procfs::read_cmdline(&dir, pid);
@@ -166,7 +188,7 @@ mod tests {
         exe.start_code = 0x10;
         assert!(matches!(
             read_process((pid, 7), &exe, &facts, None),
-            Err(ProcError::Execed { .. })
+            Err((ProcError::Execed { .. }, n)) if n > 0
         ));
         // Another file.
         exe.ino += 1;
@@ -182,6 +204,7 @@ mod tests {
         let (r, read, dir) =
             read_process((2, 1), &ExeSeen::default(), &facts, None).expect("kernel thread");
         assert!(dir.is_none() && read == 0 && r.mappings.is_empty() && r.complete);
+        assert_eq!(r.cgroup, b"0::/\n");
         assert!(usable(&ExeSeen::default(), &facts));
         assert!(!usable(&ExeSeen::default(), &Facts::default()));
     }

@@ -92,13 +92,17 @@ impl Subscriber {
     pub(crate) fn note_interpreter(&self, file: FileId) {
         let mut i = self.interpreters.borrow_mut();
         if i.len() >= MAX_INTERPRETER_FILES {
+            // Only a delay: a new process of an interpreter forgotten here comes with
+            // the round's batch, its record then built for its second round.
             i.clear();
         }
         i.insert(file);
     }
 
     /// Whether `record` brings this subscriber something to do before its round: a file
-    /// it has not heard of, or one of a Python interpreter it has records for.
+    /// it has not heard of, or one of a Python interpreter it has records for. "Heard
+    /// of" is what was sent, not what the subscriber still holds: a table it dropped is
+    /// built again at the round, not ahead of it.
     fn urgent(&self, record: &ProcessRecord) -> bool {
         let told = self.told.borrow();
         let interpreters = self.interpreters.borrow();

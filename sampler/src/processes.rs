@@ -78,6 +78,9 @@ pub(crate) struct Known {
     remap_wait: u64,
     /// The round in progress when it exec'd or exited: /proc no longer describes it.
     ended: Option<u64>,
+    /// Its executable as BPF saw it: a read whose mappings do not hold it is another
+    /// program's (an exec whose event is still behind in the ring).
+    exe: ExeSeen,
 }
 
 impl Known {
@@ -195,19 +198,28 @@ impl ProcessTable {
     pub(crate) fn remap(&mut self, key: ProcKey, (round, now_ns): (u64, u64), counters: &Counters) {
         bump(&counters.remap_events);
         let Some(k) = self.by_key.get_mut(&key) else {
+            bump(&counters.remap_events_skipped);
             return;
         };
         if k.ended.is_some() || k.deferred || !k.record.complete || now_ns < k.remap_after {
             bump(&counters.remap_events_skipped);
             return;
         }
+        // Half the round's /proc budget stays for new processes, whatever REMAPs ask.
+        let budget = self.read_left.saturating_sub(self.round_budget / 2);
+        if budget == 0 {
+            bump(&counters.remap_reads_no_budget);
+            return;
+        }
         if !self.remap_reads.allow() {
             bump(&counters.remap_reads_limited);
             return;
         }
-        let before = k.record.wire_bytes();
-        let (read, changed) = refresh(k, round, &self.handles, counters, self.read_left);
-        k.remap_wait = if changed {
+        let (before, version) = (k.record.wire_bytes(), k.version);
+        let (read, changed) = refresh(k, round, &self.handles, counters, budget);
+        // New files are what REMAP is for (a loader at work, a dlopen); a JIT's anonymous
+        // code coming and going is taken but backs off like a read that found nothing.
+        k.remap_wait = if k.version != version {
             REMAP_MIN_NS
         } else {
             (k.remap_wait.max(REMAP_MIN_NS / 2) * 2).min(REMAP_MAX_NS)
@@ -219,6 +231,7 @@ impl ProcessTable {
         }
         self.read_left = self.read_left.saturating_sub(read);
         self.bytes = self.bytes.saturating_sub(before) + k.record.wire_bytes();
+        self.shrink(counters);
     }
 
     /// A known process sampled in cgroup `id`, another than its last sample's.
@@ -348,6 +361,7 @@ impl ProcessTable {
             remap_after: 0,
             remap_wait: 0,
             ended: None,
+            exe: ExeSeen { facts: None, ..exe },
         };
         if self.by_key.len() >= MAX_PROCESSES {
             self.evict_oldest(counters);
@@ -456,6 +470,14 @@ fn refresh(
     bump(&counters.mapping_refreshes);
     let (mut read, mut changed) = (0, false);
     match procfs::read_mappings(k.record.pid, k.start_ns) {
+        // Exec keeps the start time: the executable BPF saw tells the program.
+        Ok(((maps, _), n, _))
+            if crate::facts::exe_mapping(&k.exe, &maps).is_some_and(|m| m.is_none()) =>
+        {
+            read = n;
+            bump(&counters.mapping_reads_other_program);
+            k.backoff = (k.backoff * 2).min(MAX_REFRESH_BACKOFF);
+        }
         Ok(((maps, code), n, dir)) if maps != k.record.mappings || code != k.record.code => {
             read = n;
             handles.borrow_mut().queue(dir, &maps, counters);

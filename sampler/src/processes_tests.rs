@@ -2,11 +2,22 @@
 
 use super::*;
 
+/// A `sleep` whose loader is done: its mappings stay as they are from here.
 fn child() -> std::process::Child {
-    std::process::Command::new("sleep")
+    let kid = std::process::Command::new("sleep")
         .arg("30")
         .spawn()
-        .expect("sleep")
+        .expect("sleep");
+    let maps = format!("/proc/{}/maps", kid.id());
+    for _ in 0..500 {
+        let m = std::fs::read_to_string(&maps).unwrap_or_default();
+        if m.contains("/sleep") && m.contains("libc") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    kid
 }
 
 #[test]
@@ -76,6 +87,43 @@ fn remap_reads_back_off_and_keep_to_their_rate() {
     let read = c.mapping_refreshes.get() - before;
     assert!(read <= REMAP_READS_BURST as u64 + 5, "{read} reads");
     assert!(c.remap_reads_limited.get() >= 90);
+    let _ = kid.kill();
+    let _ = kid.wait();
+}
+
+#[test]
+fn remap_reads_leave_half_the_budget_and_take_no_other_program() {
+    let c = Counters::default();
+    let mut kid = child();
+    let pid = kid.id();
+    let k = ProcKey {
+        tgid: pid,
+        start_ns: procfs::start_ns_of(pid).expect("a live child"),
+        exec_id: 0,
+    };
+    // The first read spends more than half the round's budget: no REMAP read is left.
+    let mut t = ProcessTable::with_budgets(1 << 10, MAX_TABLE_BYTES);
+    t.observe(k, b"sleep", (&[], false), 1, &c);
+    t.remap(k, (1, REMAP_MAX_NS), &c);
+    assert_eq!(c.remap_reads_no_budget.get(), 1);
+    // A full budget, but an executable the mappings do not hold where BPF saw it (the
+    // process exec'd since): the read is not taken.
+    t.begin_round(2, &c);
+    let known = t.by_key.get_mut(&k).expect("known");
+    known.exe = ExeSeen {
+        dev: 1,
+        ino: 1,
+        start_code: 0x1000,
+        facts: None,
+    };
+    let (version, mappings) = (known.version, known.record.mappings.clone());
+    t.remap(k, (2, 2 * REMAP_MAX_NS), &c);
+    assert_eq!(c.mapping_reads_other_program.get(), 1);
+    let known = t.get(k).expect("known");
+    assert_eq!(
+        (known.version, &known.record.mappings),
+        (version, &mappings)
+    );
     let _ = kid.kill();
     let _ = kid.wait();
 }

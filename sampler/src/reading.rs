@@ -37,11 +37,12 @@ pub(crate) fn read_record(
             // Not the executable BPF saw where it saw it: exec'd, reused, or a
             // filesystem whose maps name another inode than `exe`. The stat-checked
             // read tells which.
-            Err(ProcError::Execed { .. }) => {
+            Err((ProcError::Execed { .. }, spent)) => {
                 bump(&counters.process_facts_mismatched);
                 procfs::read_process_at(tgid, start_ns, exe.ino, cgroup)
+                    .map(|(r, read, dir)| (r, read + spent, dir))
             }
-            Err(e) => Err(e),
+            Err((e, _)) => Err(e),
         },
         None => procfs::read_process_at(tgid, start_ns, exe.ino, cgroup),
     };

@@ -146,7 +146,7 @@ struct Info {
   roundSeconds @6 :UInt32;
   keptCapabilities @7 :List(Text);
   counters @8 :List(Counter);
-  offCpuEvery @9 :UInt32;        # one voluntary switch in this many is timed; 0: off
+  offCpuEvery @9 :UInt32;        # one voluntary switch in this many at least is timed (the rate may raise it); 0: off
   offCpuMinNs @10 :UInt64;       # waits under it are skipped
   offCpuRate @11 :UInt32;        # at most about this many are timed a second per CPU; 0: no bound
 }

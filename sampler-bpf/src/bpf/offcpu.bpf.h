@@ -17,8 +17,10 @@
  * `off_cpu_every` and grows with the CPU's switch rate so that at most `off_cpu_rate`
  * switches a second are taken on it: N for each 100 ms window is set from the switches
  * of the window before, so the probability is known before each draw and the weighted
- * totals stay unbiased. A quiet node takes every wait; a storm costs at most the rate's
- * walks a second per CPU. A wait under `off_cpu_min_ns` is skipped and counted.
+ * totals stay unbiased. A quiet node takes every wait; a storm that begins within a
+ * window doubles N each time the window's share of the rate is taken (so its first
+ * window takes at most that share times log2 of the storm's N: ~300 walks at the
+ * defaults), and each later window at most its share. A wait under `off_cpu_min_ns` is skipped and counted.
  *
  * A wait that ends in a later round than it began in had its stacks stored in a map
  * set drained since (told by `set_epoch`, which every flip moves): it is counted
@@ -115,7 +117,10 @@ static __always_inline __u32 draw(void)
 	}
 	if (off_cpu_rate != 0) {
 		r->switches += 1;
-		if ((r->switches & 63) == 0 || r->window_start == 0) {
+		/* The clock at one switch in 64; but at each of a window's first 64 while N
+		 * is raised, so a CPU quiet after a storm drops the storm's N at once. */
+		if ((r->switches & 63) == 0 || r->window_start == 0 ||
+		    (r->switches < 64 && r->every > off_cpu_every)) {
 			now = bpf_ktime_get_ns();
 			if (now - r->window_start >= FIRN_OFF_WINDOW_NS) {
 				/* The next window's N keeps the last window's switches to the

@@ -77,8 +77,9 @@ struct {
 	__type(value, struct firn_seen);
 } seen SEC(".maps");
 
-/* A process asks for its mappings to be read again at most this often (a JIT's code
- * is anonymous and known, so it does not ask; stale mappings are what ask). */
+/* A process asks for its mappings to be read again at most this often. A JIT whose
+ * code regions come and go asks too; the sampler backs off from a process whose reads
+ * find only new anonymous code. */
 #define FIRN_REMAP_EVERY_NS 100000000ULL
 
 /* Process events. The sampler sets its size (--events-buffer-kib) before loading. */
@@ -186,7 +187,9 @@ static __always_inline int emit(__u32 kind, const struct firn_proc_id *id, __u64
 		struct task_struct *task = (struct task_struct *)bpf_get_current_task();
 
 		e->ppid = BPF_CORE_READ(task, real_parent, tgid);
-		e->euid = BPF_CORE_READ(task, cred, euid.val);
+		/* The objective credentials, as /proc's owner: `cred` is the subjective
+		 * set, which override_creds swaps (overlayfs copy-up, nfsd). */
+		e->euid = BPF_CORE_READ(task, real_cred, euid.val);
 		if (BPF_CORE_READ(task, flags) & FIRN_PF_KTHREAD)
 			e->flags |= FIRN_EVF_KTHREAD;
 		BPF_CORE_READ_STR_INTO(&e->leader_comm, task, group_leader, comm);

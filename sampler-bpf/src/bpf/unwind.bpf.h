@@ -64,8 +64,10 @@ struct firn_unwind_state {
 	/* The mapping of the last frame and its table: consecutive frames are mostly in
 	 * one binary, so most frames skip two hash lookups and the mapping search. */
 	__u8 cached;               /* 0: nothing cached; else enum firn_mapping_kind */
-	__u8 unmapped;             /* a frame lay in no executable mapping of the record
-				    * (code mapped after it was read) */
+	__u8 unmapped;             /* 1: the leaf or a frame reached by a row lay in no
+				    * executable mapping of the record (code mapped after it
+				    * was read); 2: the record was cut to FIRN_MAX_MAPPINGS,
+				    * so a miss says nothing and asks for no read */
 	__u64 c_start;
 	__u64 c_end;
 	__u64 c_offset;
@@ -148,8 +150,10 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
 		return MAPPING_NO_PROCESS;
 	hi = pm->count;
-	if (hi > FIRN_MAX_MAPPINGS)
+	if (hi >= FIRN_MAX_MAPPINGS) {
 		hi = FIRN_MAX_MAPPINGS;
+		st->unmapped = 2;
+	}
 	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. */
 	for (j = 0; j < 7 && lo < hi; j++) {
 		mid = (lo + hi) / 2;
@@ -258,7 +262,9 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		return 1;
 	}
 	kind = find_mapping(st, pc);
-	if (kind == MAPPING_NONE)
+	/* A frame pointer's guess outside the mappings is mostly a frameless caller's
+	 * register, not new code: only the leaf and rows' frames ask for a read. */
+	if (kind == MAPPING_NONE && st->unmapped == 0 && (len == 0 || !st->fp_why))
 		st->unmapped = 1;
 	if (len > 0 && kind >= MAPPING_NONE) {
 		/* A return address outside every executable mapping of the process: not
@@ -485,7 +491,7 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	bump(FIRN_CTR_END_BASE + key->unwind_end);
 	key->user_stack = st->hash ? st->hash : 1;
 	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
-		return st->unmapped;
+		return st->unmapped == 1;
 	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
 	if (bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
 	    !bpf_map_lookup_elem(ustacks, &key->user_stack)) {
@@ -493,7 +499,7 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		key->user_stack = 0;
 		key->user_status = -FIRN_ENOMEM;
 	}
-	return st->unmapped;
+	return st->unmapped == 1;
 }
 
 #endif
