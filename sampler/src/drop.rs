@@ -222,16 +222,10 @@ const MEMORY: &str = "memory allocation (glibc's main arena: brk, large blocks b
 /// that needs it; every other entry of [`ALLOWED`] is seen in one
 /// (`allowed_syscalls_are_used` in tests/tests/sampler.rs).
 pub const RARE: &[(&str, &str)] = &[
-    (
-        "mremap",
-        "glibc realloc of a block larger than its mmap threshold",
-    ),
+    ("mremap", "glibc realloc past its mmap threshold"),
     ("brk", "the heap growing past what setup left"),
     ("mmap", "an allocation larger than glibc's mmap threshold"),
-    (
-        "futex",
-        "tokio's notify and std's once-cells under contention",
-    ),
+    ("futex", "tokio's notify, std's contended once-cells"),
     ("getrandom", "a hash map's random keys"),
     ("rt_sigreturn", "return from the SIGTERM/SIGINT handler"),
     (
@@ -242,6 +236,7 @@ pub const RARE: &[(&str, &str)] = &[
     ("sendmsg", "the broker passing an fd (SCM_RIGHTS)"),
     ("ioctl", "detaching the perf events at exit"),
     ("exit_group", "exit"),
+    ("readlinkat", "a process read the stat-checked way"),
 ];
 
 /// The steady-state allow-list, one table per architecture (they differ in the epoll
