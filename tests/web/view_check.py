@@ -34,17 +34,19 @@ def browser():
     return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=o)
 
 
-def wait(what, cond, timeout=30):
-    t0 = time.time()
+def wait(what, cond, timeout=30, show=None):
+    """Waits for cond; on time out, says what `show` (or the last error) saw."""
+    t0, last = time.time(), None
     while time.time() - t0 < timeout:
         try:
             v = cond()
             if v:
                 return v
-        except Exception:  # noqa: BLE001 (the page is redrawing)
-            pass
+        except Exception as e:  # noqa: BLE001 (the page is redrawing)
+            last = e
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    seen = show() if show else last
+    raise AssertionError(f"timed out waiting for {what}; saw {seen!r}")
 
 
 def attrs(d, name):
@@ -120,9 +122,13 @@ def off_cpu(d, a, report):
     d.save_screenshot(f"{a.shots}/view-offcpu.png")
     # The waiting process alone: its waits lead the top table, in the off-CPU colour.
     click(d, "the waiting process", f'#processes tr[data-pid="{a.offcpu_pid}"]')
-    wait("one process", lambda: d.execute_script(
+    listed = lambda: d.execute_script(  # noqa: E731
         "return Array.from(document.querySelectorAll('#processes tbody tr'), r => r.dataset.pid);")
-        == [a.offcpu_pid])
+    # Its pid alone: with --off-cpu, the forked child's wait before its exec (reading the
+    # program in) is a process of the same pid running the test's program.
+    wait("one process", lambda: set(listed()) == {a.offcpu_pid},
+         show=lambda: (d.current_url, listed(), d.execute_script(
+             "const v = window.__firnView(); return v && [v.mode, v.total, v.off_total];")))
     top = d.execute_script("return Array.from(document.querySelectorAll('#top tbody td.fn'), t => t.title);")
     assert all(w in top for w in WAITS), f"top functions off CPU: {top[:20]}"
     fr = [f for f in frames(d) if f[0] in WAITS]
@@ -194,8 +200,10 @@ def main():
         # A click on the workload's process: every part narrows to it.
         click(d, "the workload's row", f'#processes tr[data-pid="{a.pid}"]')
         wait("the pid filter", lambda: d.find_element(By.ID, "pid-filter"))
-        wait("one process", lambda: d.execute_script(
-            "return Array.from(document.querySelectorAll('#processes tbody tr'), r => r.dataset.pid);") == [a.pid])
+        # Rows of that pid alone (a sample between its fork and its exec is a process of
+        # the same pid running the parent's program).
+        wait("one process", lambda: set(d.execute_script(
+            "return Array.from(document.querySelectorAll('#processes tbody tr'), r => r.dataset.pid);")) == {a.pid})
         comms = d.execute_script(
             "const v = window.__firnView(); return v.tree[2].map(n => v.names[n[0]]);")
         assert len(comms) == 1, f"flame graph roots after the filter: {comms}"

@@ -47,7 +47,12 @@ function loadHash() {
     for (const [k, v] of p) if (k !== "minutes" && k !== "mode") state.filters[k] = v;
 }
 
+// Answers can come back out of order (a slow window's query, then a quick filtered one):
+// only the answer to the latest query is drawn.
+let asked = 0;
+
 async function refresh(keepZoom) {
+    const mine = ++asked;
     saveHash();
     $("minutes").value = String(state.minutes);
     const p = query();
@@ -60,9 +65,11 @@ async function refresh(keepZoom) {
     try {
         r = await fetch("/api/view?" + p.toString());
     } catch (e) {
+        if (mine !== asked) return;
         return showError("cannot reach the enricher: " + e);
     }
     const body = await r.text();
+    if (mine !== asked) return;
     if (!r.ok) return showError(body);
     $("error").hidden = true;
     state.view = JSON.parse(body);
