@@ -28,13 +28,19 @@ pub fn start_sampler_under(wrapper: &[&str], binary: &Path, socket: &Path, extra
 
 /// Runs the sampler command line `argv` (under `wrapper`, if any); returns once it has
 /// confined itself.
+/// The halves' log filter: `FIRN_TEST_LOG` when set (say `debug` to chase a failure),
+/// else info.
+fn log_level() -> String {
+    std::env::var("FIRN_TEST_LOG").unwrap_or_else(|_| "info".into())
+}
+
 fn spawn_sampler(wrapper: &[&str], argv: &[String]) -> Proc {
     let mut all = wrapper
         .iter()
         .map(|s| s.to_string())
         .chain(argv.iter().cloned());
     let mut cmd = Command::new(all.next().expect("a sampler command line"));
-    cmd.args(all).env("FIRN_LOG", "info");
+    cmd.args(all).env("FIRN_LOG", log_level());
     let p = Proc::spawn("sampler", cmd);
     assert!(
         p.wait_for(SAMPLER_READY, Duration::from_secs(30)).is_some(),
@@ -262,7 +268,7 @@ impl Firn {
         self.http = format!("127.0.0.1:{}", http_port());
         let argv = self.plan.enricher(&self.http, extra);
         let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..]).env("FIRN_LOG", "info");
+        cmd.args(&argv[1..]).env("FIRN_LOG", log_level());
         Proc::spawn("enricher", cmd)
     }
 
