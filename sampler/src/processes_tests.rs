@@ -20,6 +20,18 @@ fn child() -> std::process::Child {
     kid
 }
 
+/// A `sleep` as the process table keys it.
+fn keyed_child() -> (std::process::Child, ProcKey) {
+    let kid = child();
+    let pid = kid.id();
+    let k = ProcKey {
+        tgid: pid,
+        start_ns: procfs::start_ns_of(pid).expect("a live child"),
+        exec_id: 0,
+    };
+    (kid, k)
+}
+
 #[test]
 fn a_spent_round_budget_defers_reads_to_the_next_round() {
     let c = Counters::default();
@@ -64,13 +76,7 @@ fn a_spent_round_budget_defers_reads_to_the_next_round() {
 #[test]
 fn remap_reads_back_off_and_keep_to_their_rate() {
     let c = Counters::default();
-    let mut kid = child();
-    let pid = kid.id();
-    let k = ProcKey {
-        tgid: pid,
-        start_ns: procfs::start_ns_of(pid).expect("a live child"),
-        exec_id: 0,
-    };
+    let (mut kid, k) = keyed_child();
     let mut t = ProcessTable::default();
     t.observe(k, b"sleep", (&[], false), 1, &c);
     // Its mappings are as read: nothing changes, and the next event waits.
@@ -94,13 +100,7 @@ fn remap_reads_back_off_and_keep_to_their_rate() {
 #[test]
 fn remap_reads_leave_half_the_budget_and_take_no_other_program() {
     let c = Counters::default();
-    let mut kid = child();
-    let pid = kid.id();
-    let k = ProcKey {
-        tgid: pid,
-        start_ns: procfs::start_ns_of(pid).expect("a live child"),
-        exec_id: 0,
-    };
+    let (mut kid, k) = keyed_child();
     // The first read spends more than half the round's budget: no REMAP read is left.
     let mut t = ProcessTable::with_budgets(1 << 10, MAX_TABLE_BYTES);
     t.observe(k, b"sleep", (&[], false), 1, &c);
