@@ -11,23 +11,24 @@ use firn_tests::*;
 const SECS: Duration = Duration::from_secs(1);
 const FAST: &[&str] = &["--frequency", "99", "--round", "1"];
 
-/// Waits until the sampler logged the table of a file whose path contains `needle`.
-fn wait_table(f: &Firn, needle: &str) {
+/// Waits until a round of `pid` that began at or after `since_ns` holds a stack that
+/// `whole` accepts: its tables are in. Read from the profiles, as a user would: the
+/// sampler's "unwind table loaded" line is rate-limited per call site (20, then one per
+/// 10 s), so with more than 20 tables at start a workload's line may never come.
+fn wait_whole(f: &Firn, pid: u32, since_ns: u64, what: &str, whole: impl Fn(&[String]) -> bool) {
     let t0 = Instant::now();
     // Generous: under CI the fuzz build runs meanwhile, and the enricher first meets
     // rustc's and LLVM's large binaries.
     while t0.elapsed() < 180 * SECS {
-        if f.sampler
-            .lines()
-            .iter()
-            .any(|l| l.contains("unwind table loaded") && l.contains(needle))
-        {
-            return;
+        if let Some(newest) = files_since(f, pid, since_ns).pop() {
+            if traces(&[newest]).iter().any(|(_, fr)| whole(fr)) {
+                return;
+            }
         }
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(500));
     }
     panic!(
-        "no unwind table for {needle}: sampler {:#?}",
+        "{what} (pid {pid}) never showed a whole stack: sampler {:#?}",
         f.sampler.lines().iter().rev().take(20).collect::<Vec<_>>()
     );
 }
@@ -114,16 +115,22 @@ fn whole_stacks_without_frame_pointers() {
     let mut j = start_workload(&jit, &["120"]);
     let pids = [c.pid(), g.pid(), r.pid(), p.pid(), x.pid(), j.pid()];
 
-    for needle in [
-        "chain-gcc",
-        "gospin",
-        "firn-spin",
-        "python3",
-        "throw-nofp",
-        "jit-nofp",
-    ] {
-        wait_table(&f, needle);
-    }
+    let started = now_ns();
+    let main_of = |fr: &[String]| fr.iter().any(|x| x == "main");
+    wait_whole(&f, pids[0], started, "gcc -O2 chain", |fr| {
+        has_chain(fr, &["chain_leaf", "chain_c", "chain_b", "chain_a", "main"])
+    });
+    wait_whole(&f, pids[1], started, "Go", |fr| {
+        has_chain(fr, &["main.spinLeaf", "main.spinOuter", "main.main"])
+    });
+    wait_whole(&f, pids[2], started, "Rust", main_of);
+    wait_whole(&f, pids[3], started, "python3", |fr| {
+        fr.iter().any(|x| x == "Py_RunMain")
+    });
+    wait_whole(&f, pids[4], started, "C++ throwing", main_of);
+    wait_whole(&f, pids[5], started, "anonymous code", |fr| {
+        fr.iter().any(|x| x.starts_with("[unwind stopped"))
+    });
     let since = now_ns();
     std::thread::sleep(10 * SECS);
     let files: Vec<Vec<PathBuf>> = pids

