@@ -183,7 +183,7 @@ struct Stacks<'a> {
     symbols: Vec<Rc<[u8]>>,
     symbol_index: HashMap<Option<u32>, u32>,
     user: HashMap<u64, Rc<[u64]>>,
-    kernel: HashMap<u32, Vec<u32>>,
+    kernel: HashMap<u64, Vec<u32>>,
     empty: Rc<[u64]>,
 }
 

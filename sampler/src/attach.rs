@@ -83,6 +83,9 @@ pub(crate) struct Sampling {
     pub(crate) events: crate::events::Events,
     /// The unwinder's tables and process mappings (shared with the server).
     pub(crate) unwind: Rc<RefCell<Unwind>>,
+    /// The program's count of Python code objects copied, when `pycode` was last
+    /// drained: unmoved, there is nothing to take (a node without Python never walks it).
+    py_code_copied: Option<u64>,
 }
 
 impl crate::rounds::MapSets for Sampling {
@@ -105,19 +108,26 @@ impl crate::rounds::MapSets for Sampling {
             (
                 maps.counts_0.as_fd(),
                 maps.offcounts_0.as_fd(),
-                maps.stacks_0.as_fd(),
+                maps.kstacks_0.as_fd(),
                 maps.ustacks_0.as_fd(),
             )
         } else {
             (
                 maps.counts_1.as_fd(),
                 maps.offcounts_1.as_fd(),
-                maps.stacks_1.as_fd(),
+                maps.kstacks_1.as_fd(),
                 maps.ustacks_1.as_fd(),
             )
         };
         let mut d = crate::drain::drain([counts, off], stacks, ustacks)?;
-        crate::drain::take_python_code(maps.pycode.as_fd(), &mut d);
+        use firn_sampler_bpf::types::firn_counter as K;
+        // Read before the drain: a code object copied after the read moves the count
+        // again, and the next round takes it.
+        let copied = crate::drain::percpu_sum(&maps.counters, K::FIRN_CTR_PY_CODE_COPIED.0);
+        if copied.is_none() || copied != self.py_code_copied {
+            crate::drain::take_python_code(maps.pycode.as_fd(), &mut d);
+            self.py_code_copied = copied;
+        }
         Ok(d)
     }
 
@@ -187,10 +197,30 @@ fn random_seed() -> Result<u64, std::io::Error> {
     Ok(u64::from_ne_bytes(b))
 }
 
+/// Entries of a per-round map that takes up to `per_cpu_second` entries a second on each
+/// CPU: room for twice what one round brings (a round may run long), a power of two
+/// within `[min, max]`. Sized from use, not fixed: the maps are preallocated, and the
+/// round's drain walks every bucket, so an idle or slow-sampling node pays for what it
+/// samples (99 Hz, 2 CPUs, 10 s rounds: 4,096 instead of 16,384).
+pub(crate) fn round_entries(
+    per_cpu_second: u32,
+    cpus: usize,
+    round_seconds: u32,
+    (min, max): (u32, u32),
+) -> u32 {
+    let want = u64::from(per_cpu_second)
+        .saturating_mul(cpus as u64)
+        .saturating_mul(u64::from(round_seconds))
+        .saturating_mul(2);
+    let want = u32::try_from(want).unwrap_or(u32::MAX).clamp(min, max);
+    want.checked_next_power_of_two().unwrap_or(max).min(max)
+}
+
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
-/// two, at least one page) and attaches it to every online CPU and to exec and exit.
+/// two, at least one page) and attaches it to every online CPU and to exec and exit;
+/// the per-round maps sized for `frequency` and rounds of `round_seconds`.
 pub(crate) fn load_and_attach(
-    (frequency, events_kib): (u32, u32),
+    (frequency, round_seconds, events_kib): (u32, u32, u32),
     limits: Limits,
     off_cpu: Option<OffCpu>,
     counters: Rc<Counters>,
@@ -226,13 +256,26 @@ pub(crate) fn load_and_attach(
             ro.off_cpu_self_tgid = std::process::id();
         }
     }
+    // CPUs that may come online later are not sampled (the sampler exits then).
+    let ncpus = online_cpus().map_err(AttachError::CpuList)?.len().max(1);
+    let off_rate = off_cpu.map_or(0, |o| o.rate);
+    let counts = round_entries(frequency, ncpus, round_seconds, (1024, 65_536));
+    for m in [&mut open.maps.counts_0, &mut open.maps.counts_1] {
+        m.set_max_entries(counts).map_err(AttachError::Load)?;
+    }
     if off_cpu.is_none() {
         // Not loaded at all: a kernel without task storage still samples on CPU.
         open.progs.firn_switch.set_autoload(false);
         for m in [&mut open.maps.offcounts_0, &mut open.maps.offcounts_1] {
             m.set_max_entries(1).map_err(AttachError::Load)?;
         }
+    } else {
+        let off = round_entries(off_rate, ncpus, round_seconds, (1024, 65_536));
+        for m in [&mut open.maps.offcounts_0, &mut open.maps.offcounts_1] {
+            m.set_max_entries(off).map_err(AttachError::Load)?;
+        }
     }
+    tracing::debug!(counts, "per-round maps sized");
     let skel = open.load().map_err(AttachError::Load)?;
     // Duplicated now: the server writes these maps after confinement, apart from the
     // skeleton the round loop holds.
@@ -302,6 +345,7 @@ pub(crate) fn load_and_attach(
         _off_cpu: off_cpu_links,
         events,
         unwind: Rc::new(RefCell::new(unwind)),
+        py_code_copied: None,
     })
 }
 
@@ -408,5 +452,16 @@ mod tests {
         assert_eq!(super::parse_cpu_list("0-1\n"), Some(vec![0, 1]));
         assert_eq!(super::parse_cpu_list("0,2-3,5"), Some(vec![0, 2, 3, 5]));
         assert_eq!(super::parse_cpu_list("3-1"), None);
+    }
+
+    #[test]
+    fn per_round_maps_follow_the_sampling_rate() {
+        use super::round_entries as r;
+        assert_eq!(r(99, 2, 10, (1024, 65_536)), 4096);
+        assert_eq!(r(19, 2, 10, (1024, 65_536)), 1024);
+        assert_eq!(r(99, 2, 1, (1024, 65_536)), 1024);
+        assert_eq!(r(999, 64, 600, (1024, 65_536)), 65_536);
+        assert_eq!(r(u32::MAX, usize::MAX, u32::MAX, (2048, 16_384)), 16_384);
+        assert_eq!(r(0, 0, 0, (2048, 16_384)), 2048);
     }
 }

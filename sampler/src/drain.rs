@@ -37,9 +37,9 @@ pub(crate) enum DrainError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum StackRef {
-    /// A stack id in the drained set's stack map.
-    Id(u32),
-    /// -errno from bpf_get_stackid.
+    /// Key in the drained set's kstacks map.
+    Id(u64),
+    /// -errno: EFAULT no kernel stack, ENOMEM the map was full.
     Err(i32),
 }
 
@@ -74,8 +74,8 @@ pub(crate) struct RawSample {
 #[derive(Debug, Default)]
 pub(crate) struct Drained {
     pub(crate) samples: Vec<RawSample>,
-    /// Frames of each kernel stack id referenced by a sample (innermost first).
-    pub(crate) stacks: HashMap<u32, Vec<u64>>,
+    /// Frames of each kernel stack referenced by a sample (innermost first).
+    pub(crate) stacks: HashMap<u64, Vec<u64>>,
     /// Frames of each user stack referenced by a sample (innermost first).
     pub(crate) user_stacks: HashMap<u64, Vec<u64>>,
     /// Stacks referenced but not found in the stack map.
@@ -93,13 +93,6 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
     // SAFETY: `k` holds at least size_of::<Key>() bytes, read unaligned; Key is plain
     // integers and bytes (generated from the program's BTF), valid for any bit pattern.
     let key: Key = unsafe { std::ptr::read_unaligned(k.as_ptr().cast()) };
-    let stack = |v: i32| {
-        if v >= 0 {
-            StackRef::Id(v.unsigned_abs())
-        } else {
-            StackRef::Err(v)
-        }
-    };
     Some(RawSample {
         tgid: key.tgid,
         tid: key.tid,
@@ -108,13 +101,17 @@ fn parse_key(k: &[u8]) -> Option<RawSample> {
         user: if key.user_status == 0 && key.user_stack != 0 {
             UserRef::Hash(key.user_stack)
         } else {
-            UserRef::Err(key.user_status.min(-1))
+            UserRef::Err(i32::from(key.user_status).min(-1))
         },
-        kernel: stack(key.kern_stack_id),
+        kernel: if key.kern_status == 0 && key.kern_stack != 0 {
+            StackRef::Id(key.kern_stack)
+        } else {
+            StackRef::Err(i32::from(key.kern_status).min(-1))
+        },
         unwind_end: u32::from(key.unwind_end),
         cgroup_id: key.cgroup_id,
         comm: key.comm.map(|c| c as u8),
-        off_cpu: key.kind == firn_sampler_bpf::types::firn_sample_kind::FIRN_KIND_OFF_CPU.0 as u16,
+        off_cpu: key.kind == firn_sampler_bpf::types::firn_sample_kind::FIRN_KIND_OFF_CPU.0 as u8,
         count: 0,
     })
 }
@@ -143,7 +140,7 @@ pub(crate) fn check_key_size(got: u32) -> Result<(), DrainError> {
 /// stacks their keys refer to.
 pub(crate) fn drain(
     counts: [BorrowedFd<'_>; 2],
-    stacks: BorrowedFd<'_>,
+    kstacks: BorrowedFd<'_>,
     ustacks: BorrowedFd<'_>,
 ) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
@@ -151,8 +148,24 @@ pub(crate) fn drain(
         drain_counts(c, &mut out)?;
     }
     let mut frames = vec![0u64; MAX_STACK_DEPTH];
-    take_user_stacks(ustacks, &mut out, &mut frames);
-    take_kernel_stacks(stacks, &mut out, &mut frames);
+    let user: Vec<u64> = out
+        .samples
+        .iter()
+        .filter_map(|s| match s.user {
+            UserRef::Hash(h) => Some(h),
+            UserRef::Err(_) => None,
+        })
+        .collect();
+    let kernel: Vec<u64> = out
+        .samples
+        .iter()
+        .filter_map(|s| match s.kernel {
+            StackRef::Id(h) => Some(h),
+            StackRef::Err(_) => None,
+        })
+        .collect();
+    out.stack_lookup_failures += take_stacks(ustacks, &user, &mut out.user_stacks, &mut frames);
+    out.stack_lookup_failures += take_stacks(kstacks, &kernel, &mut out.stacks, &mut frames);
     Ok(out)
 }
 
@@ -267,63 +280,36 @@ fn drain_counts(counts: BorrowedFd<'_>, out: &mut Drained) -> Result<(), DrainEr
     .map_err(DrainError::Counts)
 }
 
-/// The user stacks the samples name, each taken out of its map once.
-fn take_user_stacks(ustacks: BorrowedFd<'_>, out: &mut Drained, frames: &mut [u64]) {
-    for s in &out.samples {
-        let UserRef::Hash(hash) = s.user else {
-            continue;
-        };
-        if out.user_stacks.contains_key(&hash) {
+/// The stacks of `keys`, each taken out of its map (hash key → frames) once, into
+/// `into`. Returns the keys not found.
+fn take_stacks(
+    map: BorrowedFd<'_>,
+    keys: &[u64],
+    into: &mut HashMap<u64, Vec<u64>>,
+    frames: &mut [u64],
+) -> u64 {
+    let mut missing = 0;
+    for &hash in keys {
+        if into.contains_key(&hash) {
             continue;
         }
         // SAFETY: key is a u64, value buffer holds MAX_STACK_DEPTH u64s (value_size).
         let ret = unsafe {
             libbpf_sys::bpf_map_lookup_and_delete_elem(
-                ustacks.as_raw_fd(),
+                map.as_raw_fd(),
                 (&hash as *const u64).cast(),
                 frames.as_mut_ptr().cast(),
             )
         };
         if ret < 0 {
-            out.stack_lookup_failures += 1;
+            missing += 1;
             continue;
         }
         let depth = frames.iter().position(|&f| f == 0).unwrap_or(frames.len());
-        out.user_stacks.insert(hash, frames[..depth].to_vec());
+        into.insert(hash, frames[..depth].to_vec());
         frames.iter_mut().for_each(|f| *f = 0);
     }
-}
-
-/// The kernel stacks the samples name, read, then deleted from the stack map.
-fn take_kernel_stacks(stacks: BorrowedFd<'_>, out: &mut Drained, frames: &mut [u64]) {
-    for s in &out.samples {
-        let StackRef::Id(id) = s.kernel else { continue };
-        if out.stacks.contains_key(&id) {
-            continue;
-        }
-        // SAFETY: key is a u32, value buffer holds MAX_STACK_DEPTH u64s (value_size).
-        let ret = unsafe {
-            libbpf_sys::bpf_map_lookup_elem(
-                stacks.as_raw_fd(),
-                (&id as *const u32).cast(),
-                frames.as_mut_ptr().cast(),
-            )
-        };
-        if ret < 0 {
-            out.stack_lookup_failures += 1;
-            continue;
-        }
-        let depth = frames.iter().position(|&f| f == 0).unwrap_or(frames.len());
-        out.stacks.insert(id, frames[..depth].to_vec());
-        frames.iter_mut().for_each(|f| *f = 0);
-    }
-    for id in out.stacks.keys() {
-        // SAFETY: key is a u32. A failed delete leaves a stale entry that a later
-        // identical stack reuses; nothing is miscounted.
-        unsafe {
-            libbpf_sys::bpf_map_delete_elem(stacks.as_raw_fd(), (id as *const u32).cast());
-        }
-    }
+    missing
 }
 
 fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
@@ -365,7 +351,8 @@ mod tests {
             start_ns: 7_000_000_001,
             user_stack: 0xfeed,
             user_status: 0,
-            kern_stack_id: -libc::EFAULT,
+            kern_stack: 0,
+            kern_status: -(libc::EFAULT as i8),
             exec_id: 5,
             unwind_end: 3,
             kind: 1,
@@ -386,5 +373,13 @@ mod tests {
         assert_eq!(&s.comm[..6], b"worker");
         assert!(parse_key(&bytes[..KEY_SIZE - 1]).is_none());
         assert_eq!(KEY_SIZE, 64);
+        // A kernel stack by its hash; a stored one whose status says otherwise is not.
+        let mut k2 = key;
+        k2.kern_stack = 0xbeef;
+        k2.kern_status = 0;
+        // SAFETY: as above.
+        unsafe { std::ptr::write_unaligned(bytes.as_mut_ptr().cast(), k2) };
+        let s = parse_key(&bytes).expect("a whole key");
+        assert_eq!(s.kernel, StackRef::Id(0xbeef));
     }
 }

@@ -165,7 +165,6 @@ const BPF_MAP_LOOKUP_ELEM: u64 = 1;
 const BPF_MAP_UPDATE_ELEM: u64 = 2;
 const BPF_MAP_DELETE_ELEM: u64 = 3;
 const BPF_MAP_LOOKUP_AND_DELETE_ELEM: u64 = 21;
-const BPF_MAP_UPDATE_BATCH: u64 = 26;
 const BPF_MAP_LOOKUP_AND_DELETE_BATCH: u64 = 25;
 /// linux/perf_event.h: `_IO('$', 1)`.
 const PERF_EVENT_IOC_DISABLE: u64 = 0x2401;
@@ -275,10 +274,9 @@ macro_rules! allow_list {
                             BPF_MAP_LOOKUP_AND_DELETE_BATCH,
                             "BPF_MAP_LOOKUP_AND_DELETE_BATCH"
                         ),
-                        (BPF_MAP_UPDATE_BATCH, "BPF_MAP_UPDATE_BATCH"),
                     ],
                 },
-                "map commands on the fds it holds, its own maps (it cannot get another: no CAP_BPF, no CAP_SYS_ADMIN, no map creation, no program load; seccomp cannot see the fd inside bpf_attr): drain counts by batch and stacks by lookup (and delete); forget announced processes; write checked unwind rows (batch), tables and process mappings (update)"
+                "map commands on the fds it holds, its own maps (it cannot get another: no CAP_BPF, no CAP_SYS_ADMIN, no map creation, no program load; seccomp cannot see the fd inside bpf_attr): drain counts by batch and stacks by lookup (and delete); forget announced processes; write tables and process mappings (update); checked unwind rows are copied in through an `mmap` window, not written by command"
             ),
             allow!(SYS_accept4, Check::Any, SERVER),
             allow!(SYS_getsockopt, Check::Any, SERVER),
@@ -306,7 +304,7 @@ macro_rules! allow_list {
                     mask: libc::PROT_EXEC as u64,
                     what: "no `PROT_EXEC`",
                 },
-                "memory allocation; never executable memory"
+                "memory allocation, and the window unwind rows are copied in through; never executable memory"
             ),
             allow!(SYS_munmap, Check::Any, MEMORY),
             allow!(SYS_mremap, Check::Any, MEMORY),

@@ -118,7 +118,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         rate: args.off_cpu_rate,
     });
     let mut sampling = attach::load_and_attach(
-        (args.frequency, args.events_buffer_kib),
+        (args.frequency, args.round, args.events_buffer_kib),
         crate::unwind::Limits {
             pool_rows: args.unwind_rows,
             table_rows: args.unwind_table_rows,
@@ -131,7 +131,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         use libbpf_rs::MapCore;
         drain::check_layout(
             sampling.skel.maps.counts_0.key_size(),
-            sampling.skel.maps.stacks_0.value_size(),
+            sampling.skel.maps.kstacks_0.value_size(),
         )?;
     }
     tracing::info!(

@@ -281,8 +281,9 @@ def rest_table(rows):
            "at 99 Hz both together ≤ 2 ms/s; everywhere enricher peak ≤ 64 MiB, sampler ≤ 8 MiB (end) "
            "and ≤ 10 MiB (peak).", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
-           "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
+           "BPF maps MiB | table loads: rows, sampler ns/row |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ["idle", "busy", "four"]
     keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))
     for state, hz in keys:
@@ -306,7 +307,9 @@ def rest_table(rows):
                    f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
                    f"{bl.fmt(med('sampler_rss_mib'), '{:.1f}')} / {bl.fmt(med('sampler_peak_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('enricher_rss_mib'), '{:.1f}')} / {bl.fmt(med('enricher_peak_mib'), '{:.1f}')} | "
-                   f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} |")
+                   f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} | "
+                   f"{bl.fmt(med('kernel_memory_mib'), '{:.1f}')} | "
+                   f"{bl.fmt(med('rows_loaded'), '{:,.0f}')}, {bl.fmt(med('table_ns_per_row'), '{:.1f}')} |")
     return "\n".join(out)
 
 

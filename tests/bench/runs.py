@@ -109,6 +109,11 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
             "sampler_peak_mib": res["rss_peak_sampler_kib"] / 1024,
             "enricher_peak_mib": res["rss_peak_enricher_kib"] / 1024,
             "symbols_held_mib": m.get("firn_enricher_symbol_bytes_held", 0) / 2**20,
+            "kernel_memory_mib": sum(b for maps in res.get("kernel_memory", {}).get("maps_by_type", {}).values()
+                                     for _, b in maps) / 2**20,
+            "rows_loaded": m.get("firn_sampler_unwind_rows_loaded", 0),
+            "table_ns_per_row": m.get("firn_sampler_unwind_table_load_ns", 0)
+            / max(1, m.get("firn_sampler_unwind_rows_loaded", 0)),
             "frames_cached": m.get("firn_enricher_symbol_frames_cached", 0),
             "rss_points": points}
 

@@ -188,7 +188,8 @@ static __always_inline void wait_ends(struct task_struct *next)
 	if (w->set != set || w->epoch != set_epoch) {
 		w->key.user_stack = 0;
 		w->key.user_status = -FIRN_ENOENT;
-		w->key.kern_stack_id = -FIRN_ENOENT;
+		w->key.kern_stack = 0;
+		w->key.kern_status = -FIRN_ENOENT;
 		w->key.unwind_end = FIRN_END_COMPLETE;
 		bump(FIRN_CTR_OFF_CROSSED);
 	}

@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * firn's sampling program. Attached to a cpu-clock perf event on every CPU.
- * Per sample it counts (tgid, tid, start, comm, user stack id, kernel stack id).
+ * Per sample it counts (tgid, tid, start, comm, user stack, kernel stack).
  *
- * Draining without double counting: there are two identical map sets (stacks_N and
- * counts_N). `active_set` (in .bss, mmapped by the sampler) says which set the program
+ * Draining without double counting: there are two identical map sets (kstacks_N,
+ * ustacks_N and counts_N). `active_set` (in .bss, mmapped by the sampler) says which set the program
  * writes. At a round's end the sampler flips it, waits a grace period far longer than
  * any program run (the program runs in interrupt context, microseconds), then reads
  * and empties the inactive set at leisure. A sample lands in exactly one set, and a
- * stack id always refers to the stack map of its own set.
+ * stack's key always refers to the stack map of its own set.
  *
  * Process discovery: the first sample of a process (tgid, start time, exec count) puts
  * one NEW event in the `events` ring buffer, so the sampler reads its /proc entry
@@ -20,7 +20,10 @@
  *
  * User stacks are unwound here (unwind.bpf.h), not by bpf_get_stackid, so that code
  * built without frame pointers gets whole stacks. The stack is stored by a seeded hash
- * of its frames and process in ustacks_N (one per map set).
+ * of its frames and process in ustacks_N (one per map set). Kernel stacks are taken by
+ * bpf_get_stack and stored the same way in kstacks_N: a map that holds only this
+ * round's distinct stacks (not a preallocated stack-trace map sized for the worst
+ * round), where two stacks never compete for one bucket.
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -32,13 +35,6 @@ char LICENSE[] SEC("license") = "GPL";
 #define STACK_ENTRIES 16384
 #define COUNT_ENTRIES 16384
 
-struct stack_map {
-	__uint(type, BPF_MAP_TYPE_STACK_TRACE);
-	__uint(max_entries, STACK_ENTRIES);
-	__uint(key_size, sizeof(__u32));
-	__uint(value_size, FIRN_MAX_STACK_DEPTH * sizeof(__u64));
-};
-
 struct count_map {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, COUNT_ENTRIES);
@@ -46,8 +42,8 @@ struct count_map {
 	__type(value, __u64);
 };
 
-/* User stacks by hash of their frames. Not preallocated: a set holds only this round's
- * distinct stacks, and the sampler empties it each round. */
+/* User (and kernel) stacks by hash of their frames. Not preallocated: a set holds only
+ * this round's distinct stacks, and the sampler empties it each round. */
 struct ustack_map {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, STACK_ENTRIES);
@@ -56,8 +52,8 @@ struct ustack_map {
 	__type(value, struct firn_user_stack);
 };
 
-struct stack_map stacks_0 SEC(".maps");
-struct stack_map stacks_1 SEC(".maps");
+struct ustack_map kstacks_0 SEC(".maps");
+struct ustack_map kstacks_1 SEC(".maps");
 struct ustack_map ustacks_0 SEC(".maps");
 struct ustack_map ustacks_1 SEC(".maps");
 struct count_map counts_0 SEC(".maps");
@@ -131,23 +127,6 @@ static __always_inline void add(__u32 idx, __u64 n)
 	__u64 *v = bpf_map_lookup_elem(&counters, &idx);
 	if (v)
 		*v += n;
-}
-
-static __always_inline __s32 stack_id(void *ctx, void *map, __u64 flags, __u32 full_ctr, __u32 err_ctr)
-{
-	long id = bpf_get_stackid(ctx, map, flags);
-	if (id >= 0)
-		return (__s32)id;
-	/* -EFAULT: no stack of this kind for this sample (user-mode sample has no kernel
-	 * stack, kernel thread has no user stack). Normal, not a loss. */
-	if (id == -FIRN_EFAULT)
-		return (__s32)id;
-	/* -EEXIST: hash bucket holds another stack; -ENOMEM: map full. */
-	if (id == -FIRN_EEXIST || id == -FIRN_ENOMEM)
-		bump(full_ctr);
-	else
-		bump(err_ctr);
-	return (__s32)id;
 }
 
 /* The process `task` belongs to, as the sample keys name it. */
@@ -253,6 +232,54 @@ static __always_inline int user_mode(struct bpf_perf_event_data *ctx)
 
 #include "unwind.bpf.h"
 
+/* The kernel stack of this sample (`skip` frames left out) into `kstacks`, keyed by a
+ * seeded hash of its frames; the key's kern_stack and kern_status say where or why
+ * not. Taken into the walk's scratch (the user stack there is stored already). */
+static __always_inline void kernel_stack(void *ctx, void *kstacks, __u64 skip,
+					 struct firn_sample_key *key)
+{
+	struct firn_unwind_state *st;
+	__u32 zero = 0, i, len;
+	long n;
+	__u64 h;
+
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st) {
+		key->kern_status = -FIRN_EFAULT;
+		return;
+	}
+	n = bpf_get_stack(ctx, st->stack.frames, sizeof(st->stack.frames), skip);
+	if (n <= 0) {
+		/* -EFAULT (or nothing): no kernel stack here. Normal, not a loss. */
+		if (n < 0 && n != -FIRN_EFAULT)
+			bump(FIRN_CTR_KERN_STACK_ERR);
+		key->kern_status = -FIRN_EFAULT;
+		return;
+	}
+	len = (__u32)n / sizeof(__u64);
+	if (len > FIRN_MAX_STACK_DEPTH)
+		len = FIRN_MAX_STACK_DEPTH;
+	if (len < FIRN_MAX_STACK_DEPTH)
+		st->stack.frames[len] = 0;
+	h = mix(hash_seed ^ 0x84222325cbf29ce4ULL, len);
+#pragma clang loop unroll(disable)
+	for (i = 0; i < FIRN_MAX_STACK_DEPTH; i++) {
+		if (i >= len)
+			break;
+		h = mix(h, st->stack.frames[i]);
+	}
+	key->kern_stack = h ? h : 1;
+	if (bpf_map_lookup_elem(kstacks, &key->kern_stack))
+		return;
+	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
+	if (bpf_map_update_elem(kstacks, &key->kern_stack, &st->stack, BPF_NOEXIST) != 0 &&
+	    !bpf_map_lookup_elem(kstacks, &key->kern_stack)) {
+		bump(FIRN_CTR_KERN_STACK_FULL);
+		key->kern_stack = 0;
+		key->kern_status = -FIRN_ENOMEM;
+	}
+}
+
 /* Adds `amount` to `key`'s entry of `counts`. */
 static __always_inline void count_key(void *counts, struct firn_sample_key *key, __u64 amount)
 {
@@ -287,13 +314,13 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	struct task_struct *task, *leader;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
-	void *stacks, *ustacks;
+	void *kstacks, *ustacks;
 
 	if (set == 0) {
-		stacks = &stacks_0;
+		kstacks = &kstacks_0;
 		ustacks = &ustacks_0;
 	} else {
-		stacks = &stacks_1;
+		kstacks = &kstacks_1;
 		ustacks = &ustacks_1;
 	}
 
@@ -331,11 +358,10 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	/* A sample taken in user mode has no kernel stack; asking for one anyway costs a
 	 * callchain setup (~2 us on the test VM), so answer as the helper would. */
 	if (in_user)
-		key->kern_stack_id = -FIRN_EFAULT;
+		key->kern_status = -FIRN_EFAULT;
 	else
 		/* Off CPU: the stack starts in this program and bpf_trace_run4; skipped. */
-		key->kern_stack_id = stack_id(ctx, stacks, kind == FIRN_KIND_OFF_CPU ? 2 : 0,
-					      FIRN_CTR_KERN_STACK_FULL, FIRN_CTR_KERN_STACK_ERR);
+		kernel_stack(ctx, kstacks, kind == FIRN_KIND_OFF_CPU ? 2 : 0, key);
 }
 
 SEC("perf_event")

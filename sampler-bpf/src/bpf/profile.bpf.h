@@ -16,7 +16,7 @@ enum firn_counter {
 	FIRN_CTR_SAMPLES = 0,          /* program runs that reached the counting step */
 	FIRN_CTR_IDLE = 1,             /* samples of the idle task, skipped on purpose */
 	FIRN_CTR_USER_STACK_FULL = 2,  /* user stack not stored: stack map full or bucket taken */
-	FIRN_CTR_KERN_STACK_FULL = 3,  /* kernel stack not stored: stack map full or bucket taken */
+	FIRN_CTR_KERN_STACK_FULL = 3,  /* kernel stack not stored: stack map full */
 	FIRN_CTR_USER_STACK_ERR = 4,   /* user stack read failed with an unexpected error */
 	FIRN_CTR_KERN_STACK_ERR = 5,   /* kernel stack read failed with an unexpected error */
 	FIRN_CTR_COUNTS_FULL = 6,      /* sample lost: counts map full */
@@ -95,18 +95,16 @@ struct firn_sample_key {
 	__u32 tid;
 	__u64 start_ns;                  /* group leader's start_boottime: tells pid reuse */
 	__u64 user_stack;                /* key in ustacks_N (hash of the frames); 0: none */
-	__s32 user_status;               /* 0, or -errno: EFAULT none, ENOMEM map full */
-	__s32 kern_stack_id;             /* >= 0, or -errno */
+	__u64 kern_stack;                /* key in kstacks_N (hash of the frames); 0: none */
 	__u32 exec_id;                   /* leader's exec count (low bits): tells an exec */
-	__u16 unwind_end;                /* enum firn_unwind_end */
-	__u16 kind;                      /* enum firn_sample_kind: what the count counts */
+	__s8 user_status;                /* 0, or -errno: EFAULT none, ENOMEM map full */
+	__s8 kern_status;                /* 0, or -errno: EFAULT none, ENOMEM map full */
+	__u8 unwind_end;                 /* enum firn_unwind_end */
+	__u8 kind;                       /* enum firn_sample_kind: what the count counts */
 	__u64 cgroup_id;                 /* the task's cgroup v2 id at the sample */
 	char comm[FIRN_TASK_COMM_LEN];   /* thread's comm */
 };
 
-/* The sampler reads this layout through the skeleton's generated `firn_sample_key`
- * (from the program's BTF): one definition, here. The size is part of the contract with
- * the batched map drain, so a change must be deliberate. */
 _Static_assert(sizeof(struct firn_sample_key) == 64, "firn_sample_key is 64 bytes");
 
 /* A user stack as the unwinder stores it: return addresses, innermost first, ended by 0

@@ -13,9 +13,10 @@
 #define FIRN_UNWIND_BPF_H
 
 /* Unwind rows of every table, one run per file. The sampler sizes it before loading
- * (--unwind-rows) and hands out runs. */
+ * (--unwind-rows), hands out runs and copies rows in through a mapped window. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, struct firn_unwind_row);

@@ -284,11 +284,12 @@ impl SubscriptionImpl {
             rows,
         ) {
             Ok(done) => {
-                if done {
+                if let Some(spent) = done {
                     tracing::info!(
                         subscriber = self.sub.id,
                         path = %String::from_utf8_lossy(&mapping.path),
                         rows = p.get_total_rows(),
+                        load_us = spent.as_micros() as u64,
                         "unwind table loaded"
                     );
                 }

@@ -211,10 +211,10 @@ fn done(shared: &Shared) {
 async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared>) {
     let (r, w) = stream.into_split();
     let reader = futures::io::Cursor::new(first.to_vec()).chain(r.compat());
-    let stalled_since = Rc::new(Cell::new(None));
+    let stall = Rc::new(Stall::default());
     let writer = StallWatch {
         inner: w.compat_write(),
-        since: stalled_since.clone(),
+        stall: stall.clone(),
     };
     let mut network = twoparty::VatNetwork::new(
         reader,
@@ -253,7 +253,7 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
             }
         }
         _ = conn.kill.notified() => {}
-        _ = write_stalled(stalled_since, shared.write_stall_limit) => {
+        _ = write_stalled(stall, shared.write_stall_limit) => {
             bump(&shared.counters.stalled_connections);
             tracing::warn!(
                 seconds = shared.write_stall_limit.as_secs(),
@@ -267,28 +267,46 @@ async fn serve(stream: tokio::net::UnixStream, first: [u8; 8], shared: Rc<Shared
     done(&shared);
 }
 
-/// Resolves once `since` has said "stalled" for longer than `limit`.
-async fn write_stalled(since: Rc<Cell<Option<Instant>>>, limit: Duration) {
+/// Since when a write has waited for the peer, and a wake-up for the watch when one
+/// begins: at rest (nothing waiting) the watch sleeps without a timer.
+#[derive(Default)]
+struct Stall {
+    since: Cell<Option<Instant>>,
+    began: tokio::sync::Notify,
+}
+
+/// Resolves once a write has waited longer than `limit`.
+async fn write_stalled(stall: Rc<Stall>, limit: Duration) {
     loop {
-        tokio::time::sleep(Duration::from_millis(500).min(limit)).await;
-        if since.get().is_some_and(|t| t.elapsed() >= limit) {
+        let Some(since) = stall.since.get() else {
+            // A permit left by a stall that ended meanwhile costs one more look.
+            stall.began.notified().await;
+            continue;
+        };
+        let left = limit.saturating_sub(since.elapsed());
+        if left.is_zero() {
             return;
         }
+        tokio::time::sleep(left).await;
     }
 }
 
 /// The connection's writer, noting since when a write has been waiting for the peer.
 struct StallWatch<W> {
     inner: W,
-    since: Rc<Cell<Option<Instant>>>,
+    stall: Rc<Stall>,
 }
 
 impl<W> StallWatch<W> {
     fn note<T>(&self, p: &Poll<T>) {
+        let s = &self.stall;
         match p {
-            Poll::Pending if self.since.get().is_none() => self.since.set(Some(Instant::now())),
+            Poll::Pending if s.since.get().is_none() => {
+                s.since.set(Some(Instant::now()));
+                s.began.notify_one();
+            }
             Poll::Pending => {}
-            Poll::Ready(_) => self.since.set(None),
+            Poll::Ready(_) => s.since.set(None),
         }
     }
 }

@@ -3,7 +3,8 @@
 //! The enricher builds a table per file from its CFI (the sampler parses no ELF or
 //! DWARF) and sends it in chunks of fixed-size rows. Here each row is checked (sorted,
 //! kinds and offsets in range), the table is held to its budgets, and the rows are
-//! written into the program's `rows` array with map-update commands; `tables` then
+//! copied into the program's `rows` array through a window of it mapped for the chunk
+//! (an mmapable array: one copy, not a map-update command per row); `tables` then
 //! points the file at its run. The sampler also writes each process's executable
 //! mappings (from the /proc/PID/maps it reads anyway) into `procmaps`.
 //!
@@ -44,8 +45,6 @@ pub(crate) const MAX_MAPPINGS: usize = 60;
 const _: () = assert!(
     std::mem::size_of::<firn_sampler_bpf::types::firn_proc_maps>() == 16 + MAX_MAPPINGS * 32
 );
-/// Rows per map-update command.
-const WRITE_BATCH: usize = 8192;
 
 // The wire's kinds are the BPF program's.
 const _: () = {
@@ -107,6 +106,8 @@ struct Pending {
     total: u32,
     next: u32,
     last_pc: Option<u32>,
+    /// Time spent on its chunks so far (checks, writes, publication).
+    spent: std::time::Duration,
 }
 
 /// Limits of the tables (flags).
@@ -193,8 +194,8 @@ impl Unwind {
         self.limits.pool_rows > 0 && self.maps.is_some()
     }
 
-    /// Takes one chunk of the table for `file` from subscription `owner`. `Ok(true)`:
-    /// the table is complete and in use.
+    /// Takes one chunk of the table for `file` from subscription `owner`. `Ok(Some(t))`:
+    /// the table is complete and in use, after `t` of the sampler's time over its chunks.
     pub(crate) fn take_chunk(
         &mut self,
         owner: u64,
@@ -202,7 +203,8 @@ impl Unwind {
         first_row: u32,
         total: u32,
         bytes: &[u8],
-    ) -> Result<bool, TableError> {
+    ) -> Result<Option<std::time::Duration>, TableError> {
+        let t0 = std::time::Instant::now();
         if self.owner.is_some_and(|o| o != owner) {
             return Err(TableError::NotOwner);
         }
@@ -223,6 +225,7 @@ impl Unwind {
                 total,
                 next: 0,
                 last_pc: None,
+                spent: std::time::Duration::ZERO,
             });
         }
         let (first, next, last_pc) = match self.pending.as_ref() {
@@ -253,11 +256,18 @@ impl Unwind {
         p.next = next + n;
         p.last_pc = Some(last);
         if p.next < p.total {
+            p.spent += t0.elapsed();
             self.pending = Some(p);
-            return Ok(false);
+            return Ok(None);
         }
+        let spent = p.spent;
         self.publish(p)?;
-        Ok(true)
+        let spent = spent + t0.elapsed();
+        add(
+            &self.counters.unwind_table_load_ns,
+            u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
+        );
+        Ok(Some(spent))
     }
 
     fn alloc(&mut self, rows: u32, file: FileKey) -> Result<u32, TableError> {
@@ -493,33 +503,54 @@ impl Unwind {
     }
 }
 
-/// Writes rows into the `rows` array from index `at`, in batches.
+/// Copies rows into the `rows` array from index `at`, through a shared mapping of the
+/// pages that hold them, unmapped again at once (the sampler's RSS does not keep the
+/// pool). The array is mmapable (`BPF_F_MMAPABLE`): its values lie back to back, 8 bytes
+/// each, as the program reads them. The rows were checked before they come here.
 fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
-    let mut keys: Vec<u32> = Vec::with_capacity(WRITE_BATCH);
-    for (b, chunk) in bytes.chunks(WRITE_BATCH * ROW_BYTES).enumerate() {
-        let n = chunk.len() / ROW_BYTES;
-        let base = at + (b * WRITE_BATCH) as u32;
-        keys.clear();
-        keys.extend((0..n as u32).map(|i| base + i));
-        let mut count = n as u32;
-        let opts = libbpf_sys::bpf_map_batch_opts {
-            sz: std::mem::size_of::<libbpf_sys::bpf_map_batch_opts>() as _,
-            ..Default::default()
-        };
-        // SAFETY: `keys` holds `count` u32 indexes and `chunk` `count` 8-byte rows, the
-        // array's key and value sizes; both live for the call.
-        let ret = unsafe {
-            libbpf_sys::bpf_map_update_batch(
-                rows.as_raw_fd(),
-                keys.as_ptr().cast(),
-                chunk.as_ptr().cast(),
-                &mut count,
-                &opts,
-            )
-        };
-        if ret < 0 {
-            return Err(TableError::Map(ret));
-        }
+    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+    if bytes.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    let page = page_size();
+    let start = at as usize * ROW_BYTES;
+    let offset = start - start % page;
+    let len = (start - offset + bytes.len()).div_ceil(page) * page;
+    let (Some(nonzero), Ok(off)) = (std::num::NonZeroUsize::new(len), i64::try_from(offset)) else {
+        return Err(TableError::Map(-libc::EINVAL));
+    };
+    // SAFETY: a fresh shared mapping of the array's pages, never aliased by Rust
+    // references; only its bytes from `start - offset` on are written, within `len`
+    // (the pool's runs lie inside the array, so the kernel refuses nothing in range).
+    let window = unsafe {
+        mmap(
+            None,
+            nonzero,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            rows,
+            off,
+        )
+    }
+    .map_err(|e| TableError::Map(-(e as i32)))?;
+    // SAFETY: the window is `len` bytes, writable; the copy's end `start - offset +
+    // bytes.len()` is at most `len`, and `bytes` is not in the window.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            window.as_ptr().cast::<u8>().add(start - offset),
+            bytes.len(),
+        );
+    }
+    // SAFETY: the window mapped above, `len` bytes; nothing refers to it after this.
+    unsafe { munmap(window, len) }.map_err(|e| TableError::Map(-(e as i32)))
+}
+
+fn page_size() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| usize::try_from(p).ok())
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
