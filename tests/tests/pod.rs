@@ -416,9 +416,10 @@ fn the_pod_profiles_a_container_under_podman() {
         index_entries(&out)
             .into_iter()
             .filter(|(_, l)| l["container_id"].as_str() == Some(work_id.as_str()))
-            // runc's init, sampled in the container before it execs the workload, is
-            // rightly labelled with the container too: the workload is what is checked.
-            .filter(|(_, l)| l["comm"] != "runc:[2:INIT]")
+            // runc's stages (`runc:[1:CHILD]`, `runc:[2:INIT]`), sampled in the
+            // container before its init execs the workload, are rightly labelled with
+            // the container too: the workload is what is checked.
+            .filter(|(_, l)| !l["comm"].as_str().is_some_and(|c| c.starts_with("runc:")))
             .collect()
     };
     assert!(
