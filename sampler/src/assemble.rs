@@ -190,7 +190,7 @@ struct Stacks<'a> {
 impl Stacks<'_> {
     /// A sample's user frames, up to the first address that is not user code.
     fn user(&mut self, r: UserRef, drained: &Drained) -> Rc<[u64]> {
-        let UserRef::Hash(id) = r else {
+        let Some(id) = r.key() else {
             return self.empty.clone();
         };
         let Some(frames) = drained.user_stacks.get(&id) else {
@@ -211,7 +211,7 @@ impl Stacks<'_> {
 
     /// A sample's kernel frames as indices into the round's symbol names.
     fn kernel(&mut self, r: StackRef, drained: &Drained) -> Vec<u32> {
-        let StackRef::Id(id) = r else {
+        let Some(id) = r.key() else {
             return Vec::new();
         };
         let Some(frames) = drained.stacks.get(&id) else {

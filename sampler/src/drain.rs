@@ -43,6 +43,16 @@ pub(crate) enum StackRef {
     Err(i32),
 }
 
+impl StackRef {
+    /// Its key in the kstacks map, if it has one.
+    pub(crate) fn key(self) -> Option<u64> {
+        match self {
+            Self::Id(h) => Some(h),
+            Self::Err(_) => None,
+        }
+    }
+}
+
 /// A user stack as the key names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum UserRef {
@@ -50,6 +60,16 @@ pub(crate) enum UserRef {
     Hash(u64),
     /// -errno: EFAULT no user stack, ENOMEM the map was full.
     Err(i32),
+}
+
+impl UserRef {
+    /// Its key in the ustacks map, if it has one.
+    pub(crate) fn key(self) -> Option<u64> {
+        match self {
+            Self::Hash(h) => Some(h),
+            Self::Err(_) => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -148,22 +168,8 @@ pub(crate) fn drain(
         drain_counts(c, &mut out)?;
     }
     let mut frames = vec![0u64; MAX_STACK_DEPTH];
-    let user: Vec<u64> = out
-        .samples
-        .iter()
-        .filter_map(|s| match s.user {
-            UserRef::Hash(h) => Some(h),
-            UserRef::Err(_) => None,
-        })
-        .collect();
-    let kernel: Vec<u64> = out
-        .samples
-        .iter()
-        .filter_map(|s| match s.kernel {
-            StackRef::Id(h) => Some(h),
-            StackRef::Err(_) => None,
-        })
-        .collect();
+    let user: Vec<u64> = out.samples.iter().filter_map(|s| s.user.key()).collect();
+    let kernel: Vec<u64> = out.samples.iter().filter_map(|s| s.kernel.key()).collect();
     out.stack_lookup_failures += take_stacks(ustacks, &user, &mut out.user_stacks, &mut frames);
     out.stack_lookup_failures += take_stacks(kstacks, &kernel, &mut out.stacks, &mut frames);
     Ok(out)
