@@ -120,7 +120,7 @@ class Firn:
     def __init__(self, rnd):
         self.rnd = rnd
 
-    def start(self, hz, enricher_extra=(), sampler_binary=None):
+    def start(self, hz, enricher_extra=(), sampler_binary=None, enricher_binary=None):
         self.tmp = tempfile.mkdtemp(prefix="firn-bench-")
         os.chmod(self.tmp, 0o755)
         # How to start firn comes from the tests' own definition (firn-plan), which also
@@ -140,7 +140,10 @@ class Firn:
         self.sampler = subprocess.Popen(plan["sampler"], stderr=open(slog, "w"), env=env)
         wait_for_line(slog, plan["sampler_ready"], self.sampler)
         elog = os.path.join(self.tmp, "enricher.log")
-        self.enricher = subprocess.Popen(got["enricher"] + list(enricher_extra), stdout=subprocess.DEVNULL,
+        enricher = list(got["enricher"])
+        if enricher_binary:  # another build of the enricher (aged_rest.py)
+            enricher[enricher.index(str(BIN / "firn-enricher"))] = str(enricher_binary)
+        self.enricher = subprocess.Popen(enricher + list(enricher_extra), stdout=subprocess.DEVNULL,
                                          stderr=open(elog, "w"), env=env)
         wait_for_line(elog, plan["enricher_ready"], self.enricher)
         # Two rounds: connected, the first binaries loaded — the steady state.
