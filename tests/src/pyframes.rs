@@ -79,14 +79,35 @@ pub fn start_script(exe: &Path, script: &Path, secs: &str) -> Proc {
     p
 }
 
-/// Waits until the sampler took the interpreter record of `pid`.
+/// Waits until the sampler took the interpreter record of `pid`: its log line says so,
+/// or (the line can be held back by the log's rate limit, 20 a call site, when firn
+/// meets more Pythons on this host) the process's profiles hold a Python frame.
 pub fn wait_interpreter(f: &Firn, pid: u32) {
     let needle = format!("pid={pid} ");
+    let label = pid.to_string();
+    let mut checked = std::time::Instant::now();
     let ok = wait_until(120 * SECS, || {
-        f.sampler
+        if f.sampler
             .lines()
             .iter()
             .any(|l| l.contains("Python interpreter loaded") && l.contains(&needle))
+        {
+            return true;
+        }
+        if checked.elapsed() < 3 * SECS {
+            return false;
+        }
+        checked = std::time::Instant::now();
+        let files: Vec<PathBuf> = index_records(&f.out)
+            .into_iter()
+            .filter(|(_, r)| r["labels"]["pid"].as_str() == Some(label.as_str()))
+            .map(|(p, _)| p)
+            .collect();
+        let last = &files[files.len().saturating_sub(2)..];
+        !last.is_empty()
+            && line_traces(last)
+                .iter()
+                .any(|(_, fr)| fr.iter().any(Fr::python))
     });
     assert!(
         ok,
