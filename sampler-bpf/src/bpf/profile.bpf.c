@@ -232,14 +232,15 @@ static __always_inline int user_mode(struct bpf_perf_event_data *ctx)
 
 #include "unwind.bpf.h"
 
-/* The kernel stack of this sample (`skip` frames left out) into `kstacks`, keyed by a
- * seeded hash of its frames; the key's kern_stack and kern_status say where or why
- * not. Taken into the walk's scratch (the user stack there is stored already). */
-static __always_inline void kernel_stack(void *ctx, void *kstacks, __u64 skip,
+/* The kernel stack of this sample (`skip` frames left out) into set `set`'s `kstacks`,
+ * keyed by a seeded hash of its frames; the key's kern_stack and kern_status say where or
+ * why not. Taken into the walk's scratch (the user stack there is stored already). */
+static __always_inline void kernel_stack(void *ctx, __u32 set, __u64 skip,
 					 struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
 	__u32 zero = 0, i, len;
+	void *kstacks;
 	long n;
 	__u64 h;
 
@@ -269,6 +270,9 @@ static __always_inline void kernel_stack(void *ctx, void *kstacks, __u64 skip,
 		h = mix(h, st->stack.frames[i]);
 	}
 	key->kern_stack = h ? h : 1;
+	/* Chosen after the loop: a map pointer live across it splits the verifier's states
+	 * by set. */
+	kstacks = set == 0 ? (void *)&kstacks_0 : (void *)&kstacks_1;
 	if (bpf_map_lookup_elem(kstacks, &key->kern_stack))
 		return;
 	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
@@ -314,23 +318,16 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	struct task_struct *task, *leader;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
-	void *kstacks, *ustacks;
 
-	if (set == 0) {
-		kstacks = &kstacks_0;
-		ustacks = &ustacks_0;
-	} else {
-		kstacks = &kstacks_1;
-		ustacks = &ustacks_1;
-	}
-
-	task = (struct task_struct *)bpf_get_current_task();
+	/* BTF-typed: its fields are plain loads (the JIT guards them), not a helper call
+	 * each as bpf_probe_read_kernel would be. */
+	task = bpf_get_current_task_btf();
 	key->tgid = id >> 32;
 	key->tid = (__u32)id;
 	key->kind = kind;
-	leader = BPF_CORE_READ(task, group_leader);
-	key->start_ns = BPF_CORE_READ(leader, start_boottime);
-	key->exec_id = (__u32)BPF_CORE_READ(leader, self_exec_id);
+	leader = task->group_leader;
+	key->start_ns = leader->start_boottime;
+	key->exec_id = (__u32)leader->self_exec_id;
 	bpf_get_current_comm(&key->comm, sizeof(key->comm));
 	key->cgroup_id = bpf_get_current_cgroup_id();
 
@@ -351,7 +348,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 			was->cgroup_id = key->cgroup_id;
 	}
 
-	if (user_stack(ctx, in_user, task, ustacks, key))
+	if (user_stack(ctx, in_user, task, set, key))
 		/* Looked up again, not kept across the walk: a pointer live across it would
 		 * double the states the verifier walks the unwinder with. */
 		remap(key);
@@ -361,7 +358,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		key->kern_status = -FIRN_EFAULT;
 	else
 		/* Off CPU: the stack starts in this program and bpf_trace_run4; skipped. */
-		kernel_stack(ctx, kstacks, kind == FIRN_KIND_OFF_CPU ? 2 : 0, key);
+		kernel_stack(ctx, set, kind == FIRN_KIND_OFF_CPU ? 2 : 0, key);
 }
 
 SEC("perf_event")

@@ -416,16 +416,18 @@ static long unwind_step(__u32 i, void *data)
  * user mode, and holds the user registers; else they are the ones saved at entry.
  * Returns 1 when a frame lay in no executable mapping the process's record names. */
 static __always_inline int user_stack(void *ctx, int in_user, struct task_struct *task,
-				      void *ustacks, struct firn_sample_key *key)
+				      __u32 set, struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
 	struct firn_py_proc *py;
 	struct pt_regs *regs;
 	__u32 zero = 0, len;
+	void *ustacks;
 	long steps;
 
 	st = bpf_map_lookup_elem(&scratch, &zero);
-	if (!st || !BPF_CORE_READ(task, mm)) {
+	/* A sample taken in user mode has an mm; a kernel thread has none. */
+	if (!st || (!in_user && !task->mm)) {
 		key->user_status = -FIRN_EFAULT;
 		return 0;
 	}
@@ -435,7 +437,7 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		st->bp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, bp));
 	} else {
 		/* In the kernel: the user registers saved at entry. */
-		regs = (struct pt_regs *)bpf_task_pt_regs(bpf_get_current_task_btf());
+		regs = (struct pt_regs *)bpf_task_pt_regs(task);
 		st->pc = BPF_CORE_READ(regs, ip);
 		st->sp = BPF_CORE_READ(regs, sp);
 		st->bp = BPF_CORE_READ(regs, bp);
@@ -491,6 +493,9 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	key->unwind_end = st->end < FIRN_END_MAX ? st->end : FIRN_END_UNSUPPORTED;
 	bump(FIRN_CTR_END_BASE + key->unwind_end);
 	key->user_stack = st->hash ? st->hash : 1;
+	/* Chosen after the walk: a map pointer live across bpf_loop splits the verifier's
+	 * states by set, and it walks the unwinder once for each. */
+	ustacks = set == 0 ? (void *)&ustacks_0 : (void *)&ustacks_1;
 	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
 		return st->unmapped == 1;
 	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
