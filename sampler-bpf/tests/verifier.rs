@@ -13,9 +13,12 @@ use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::PrintLevel;
 
 /// The verifier's limit is 1,000,000; past this a kernel's verifier change could break
-/// the load.
-const FAIL_ABOVE: u64 = 800_000;
-const WARN_ABOVE: u64 = 650_000;
+/// the load. firn_sample takes 221k on 6.18 since its stack maps are chosen after the
+/// walk (559k before, when the verifier walked the unwinder once per map set): the
+/// limit catches a change that doubles it again, and leaves room for the unwinder's
+/// caches (the row cache measured +182k).
+const FAIL_ABOVE: u64 = 600_000;
+const WARN_ABOVE: u64 = 450_000;
 
 static LOG: Mutex<String> = Mutex::new(String::new());
 
