@@ -76,9 +76,9 @@ pub(crate) struct Args {
     /// kernel memory allocated at start: 2 Mi rows are 16 MiB). The enricher builds a
     /// table per binary from its CFI so that code without frame pointers unwinds whole;
     /// tables of binaries no known process maps are evicted to make room. When the pool
-    /// is full of tables in use, further tables are refused (unwind_tables_refused_budget,
-    /// a warning in the log) and those binaries are unwound by frame pointers. 0: no
-    /// tables, frame pointers only.
+    /// is full of tables in use, further tables are refused (unwind_tables_refused_budget;
+    /// the log line names this flag) and those binaries are unwound by frame pointers.
+    /// 0: no tables, frame pointers only.
     #[arg(long, default_value_t = crate::unwind::DEFAULT_POOL_ROWS, value_parser = clap::value_parser!(u32).range(0..=(64 << 20)))]
     pub(crate) unwind_rows: u32,
 

@@ -315,23 +315,13 @@ impl SubscriptionImpl {
                         TableRefusal::OutOfOrder
                     }
                 };
-                if matches!(e, TableError::NoRoom { .. }) {
-                    // Every table in the pool is mapped by a live process: only a
-                    // larger pool helps, and that is the operator's choice.
-                    tracing::warn!(
-                        subscriber = self.sub.id,
-                        path = %String::from_utf8_lossy(&mapping.path),
-                        error = %e,
-                        "unwind table refused: the row pool is full of tables in use (raise --unwind-rows)"
-                    );
-                } else {
-                    tracing::info!(
-                        subscriber = self.sub.id,
-                        path = %String::from_utf8_lossy(&mapping.path),
-                        error = %e,
-                        "unwind table refused"
-                    );
-                }
+                // A budget's error names the flag that raises it.
+                tracing::info!(
+                    subscriber = self.sub.id,
+                    path = %String::from_utf8_lossy(&mapping.path),
+                    error = %e,
+                    "unwind table refused"
+                );
                 Chunk::Refused(refusal)
             }
         }

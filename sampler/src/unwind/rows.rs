@@ -19,9 +19,9 @@ pub enum TableError {
     BadOffset(u32),
     #[error("chunk does not continue the pending table (first row, total or file)")]
     OutOfOrder,
-    #[error("{rows} rows: over the table limit of {limit}")]
+    #[error("{rows} rows: over the table limit of {limit} (--unwind-table-rows)")]
     TooLarge { rows: u32, limit: u32 },
-    #[error("no room for {rows} rows in the row pool")]
+    #[error("no room for {rows} rows in the row pool: every table in it is of a file a live process maps (raise --unwind-rows)")]
     NoRoom { rows: u32 },
     #[error("another subscription provides the tables")]
     NotOwner,
