@@ -155,6 +155,11 @@ impl crate::rounds::MapSets for Sampling {
             // Absent already (evicted by the LRU, or ended): nothing to undo.
             let _ = self.skel.maps.seen.delete(bytes);
         }
+        if !keys.is_empty() {
+            // After the deletes: a CPU that remembers one of these as announced
+            // looks it up again, and announces it anew.
+            self.unwind.borrow().processes_changed();
+        }
     }
 
     fn set_mappings(
@@ -290,6 +295,7 @@ pub(crate) fn load_and_attach(
             dup(&skel.maps.pyprocs)?,
             dup(&skel.maps.pyseen)?,
             dup(&skel.maps.pyepoch)?,
+            dup(&skel.maps.procepoch)?,
         ),
         limits,
         counters,

@@ -96,6 +96,7 @@ fn session_id() -> u64 {
 }
 
 fn run(args: cli::Args) -> anyhow::Result<()> {
+    trim::fix_heap_threshold();
     preflight::check(args.user.is_some())?;
 
     let listening = match listen::from_systemd()? {

@@ -115,6 +115,9 @@ pub(crate) struct ProcessTable {
     fresh: Vec<(ProcKey, Rc<ProcessRecord>)>,
     /// Every process forgotten since the last `take_dropped`.
     dropped: Vec<ProcKey>,
+    /// Ids of records evicted since the last `sweep`, which sends them as forgotten with
+    /// its own: a subscriber would otherwise keep their records for good.
+    evicted: Vec<u64>,
     /// Cgroup paths by cgroup id (what samples name).
     pub(crate) cgroups: Cgroups,
     /// Where each executable lies, for processes gone before they were read.
@@ -144,6 +147,7 @@ impl ProcessTable {
             unseen: Vec::new(),
             fresh: Vec::new(),
             dropped: Vec::new(),
+            evicted: Vec::new(),
             cgroups: Cgroups::default(),
             layouts: Layouts::default(),
             remap_reads: firn_logs::TokenBucket::new(REMAP_READS_PER_SEC, REMAP_READS_BURST),
@@ -416,6 +420,8 @@ impl ProcessTable {
         });
         self.bytes = self.bytes.saturating_sub(freed);
         add(&counters.processes_forgotten, gone.len() as u64);
+        // Counted when they were evicted.
+        gone.append(&mut self.evicted);
         gone
     }
 
@@ -440,6 +446,7 @@ impl ProcessTable {
             if let Some(k) = self.by_key.remove(&key) {
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes());
                 self.dropped.push(key);
+                self.evicted.push(k.id);
                 if k.ended.is_none() {
                     self.unseen.push(key);
                 }

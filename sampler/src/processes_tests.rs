@@ -133,10 +133,17 @@ fn the_table_keeps_to_its_bytes() {
     let c = Counters::default();
     // Room for about one placeholder record: each new process pushes out the oldest.
     let mut t = ProcessTable::with_budgets(0, 200);
+    let mut ids = Vec::new();
     for (round, pid) in (1..=5u64).zip(u32::MAX - 5..) {
-        t.observe(key(pid, 0), b"gone", (&[], false), round, &c);
+        ids.push(t.observe(key(pid, 0), b"gone", (&[], false), round, &c));
     }
     assert_eq!(t.len(), 1);
+    assert_eq!(
+        t.sweep(6, &c),
+        ids[..4],
+        "subscribers are told the evicted records are gone"
+    );
+    assert!(t.sweep(7, &c).is_empty(), "and told once");
     assert!(t.get(key(u32::MAX - 1, 0)).is_some(), "the newest stays");
     assert_eq!(c.processes_evicted_bytes.get(), 4);
     assert_eq!(

@@ -11,6 +11,22 @@
 //! was written before being protected (RELRO, relocated data) holds private copies
 //! (`Anonymous:` in smaps) and is left alone, since dropping would lose them.
 
+/// Heap blocks from this size get a mapping of their own, unmapped when freed. Set by
+/// hand so that it stays put: glibc's own threshold rises to the largest block freed, so
+/// after the first 256 KiB table message every later round's batch segments would come
+/// from the heap, zeroed in full, and leave holes between long-lived records there that
+/// only a trim could return (and `malloc_trim`'s madvise is refused after confinement).
+const MMAP_THRESHOLD: libc::c_int = 128 << 10;
+
+/// Fixes the allocator's mmap threshold, before set-up allocates. glibc's own setting:
+/// no system call, and the heap's top is still given back by brk as blocks are freed.
+pub(crate) fn fix_heap_threshold() {
+    // SAFETY: mallopt has no preconditions; it only changes glibc's malloc parameters.
+    if unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) } != 1 {
+        tracing::warn!("the allocator refused its mmap threshold; freed memory may stay resident");
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum TrimError {
     #[error("reading /proc/self/smaps: {0}")]

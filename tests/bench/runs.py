@@ -251,10 +251,10 @@ class ChurnFirn(Firn):
         return super().stop(workload_pid, settle=False)
 
 
-def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20):
+def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20, sampler_binary=None):
     log(f"scale: {label}: {rate}/s × {ms} ms over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
     f = ChurnFirn(rnd, out / "unwind-cache")
-    f.start(hz)
+    f.start(hz, sampler_binary=sampler_binary)
     # The sampler's cost at rest, to take out of its cost under churn.
     s0, t_rest = proc_cpu(f.sampler.pid), time.time()
     time.sleep(5)

@@ -73,6 +73,19 @@ struct {
 	__type(value, struct firn_seen);
 } seen SEC(".maps");
 
+/* Moved by the sampler after it deletes from `seen` or changes `pyprocs`: a CPU's memo
+ * of the process it sampled last (key_of) holds only under the epoch it was made in. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} procepoch SEC(".maps");
+
+/* Moved by every CPU that tells the sampler of a process's new cgroup: another CPU's
+ * memo of that process then no longer holds (it may have moved back meanwhile). */
+volatile __u32 cgroup_epoch = 0;
+
 /* A process asks for its mappings to be read again at most this often. A JIT whose
  * code regions come and go asks too; the sampler backs off from a process whose reads
  * find only new anonymous code. */
@@ -316,8 +329,11 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 {
 	__u64 id = bpf_get_current_pid_tgid();
 	struct task_struct *task, *leader;
+	struct firn_unwind_state *st;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
+	__u32 zero = 0;
+	__u64 *epoch;
 
 	/* BTF-typed: its fields are plain loads (the JIT guards them), not a helper call
 	 * each as bpf_probe_read_kernel would be. */
@@ -331,21 +347,49 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	bpf_get_current_comm(&key->comm, sizeof(key->comm));
 	key->cgroup_id = bpf_get_current_cgroup_id();
 
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	epoch = bpf_map_lookup_elem(&procepoch, &zero);
+	if (!st || !epoch) {
+		/* Never: both are arrays of one entry. */
+		key->user_status = -FIRN_EFAULT;
+		key->kern_status = -FIRN_EFAULT;
+		return;
+	}
+	/* Read before the lookups: a change the sampler makes after them moves it. */
+	/* Filled on both paths: stack slots that differ between them would make the
+	 * verifier walk the unwinder once for each. */
 	pid.tgid = key->tgid;
 	pid.exec_id = key->exec_id;
 	pid.start_ns = key->start_ns;
-	was = bpf_map_lookup_elem(&seen, &pid);
-	if (!was) {
-		if (emit(FIRN_EV_NEW, &pid, key->cgroup_id) == 0) {
-			fresh.cgroup_id = key->cgroup_id;
-			bpf_map_update_elem(&seen, &pid, &fresh, BPF_ANY);
+	fresh.cgroup_id = key->cgroup_id;
+	st->epochs = *epoch << 32 | cgroup_epoch;
+	st->announced = 0;
+	st->py_checked = FIRN_PY_UNCHECKED;
+	if (st->last_tgid == key->tgid && st->last_exec_id == key->exec_id &&
+	    st->last_start_ns == key->start_ns && st->last_cgroup_id == key->cgroup_id &&
+	    st->last_epochs == st->epochs) {
+		/* This CPU's last sample: announced in this cgroup, and no interpreter. */
+		st->announced = 1;
+		st->py_checked = FIRN_PY_NATIVE;
+	} else {
+		was = bpf_map_lookup_elem(&seen, &pid);
+		if (!was) {
+			if (emit(FIRN_EV_NEW, &pid, key->cgroup_id) == 0) {
+				st->announced =
+					bpf_map_update_elem(&seen, &pid, &fresh, BPF_ANY) == 0;
+			}
+		} else if (was->cgroup_id != key->cgroup_id) {
+			/* Moved since its last sample: the sampler reads the new cgroup's path if
+			 * it has none for this id (within its rate bound). Not urgent: it wakes
+			 * nobody. One event per sample at most, so per process at most the
+			 * sampling rate. */
+			if (emit(FIRN_EV_CGROUP, &pid, key->cgroup_id) == 0) {
+				was->cgroup_id = key->cgroup_id;
+				__sync_fetch_and_add(&cgroup_epoch, 1);
+			}
+		} else {
+			st->announced = 1;
 		}
-	} else if (was->cgroup_id != key->cgroup_id) {
-		/* Moved since its last sample: the sampler reads the new cgroup's path if it
-		 * has none for this id (within its rate bound). Not urgent: it wakes nobody.
-		 * One event per sample at most, so per process at most the sampling rate. */
-		if (emit(FIRN_EV_CGROUP, &pid, key->cgroup_id) == 0)
-			was->cgroup_id = key->cgroup_id;
 	}
 
 	if (user_stack(ctx, in_user, task, set, key))
@@ -359,6 +403,19 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	else
 		/* Off CPU: the stack starts in this program and bpf_trace_run4; skipped. */
 		kernel_stack(ctx, set, kind == FIRN_KIND_OFF_CPU ? 2 : 0, key);
+	/* Looked up again: kept across the walk, the pointer would cost verifier states. */
+	st = bpf_map_lookup_elem(&scratch, &zero);
+	if (!st)
+		return;
+	if (st->announced && st->py_checked == FIRN_PY_NATIVE) {
+		st->last_tgid = key->tgid;
+		st->last_exec_id = key->exec_id;
+		st->last_start_ns = key->start_ns;
+		st->last_cgroup_id = key->cgroup_id;
+		st->last_epochs = st->epochs;
+	} else {
+		st->last_tgid = 0;
+	}
 }
 
 SEC("perf_event")

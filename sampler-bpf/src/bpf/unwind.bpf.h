@@ -44,6 +44,23 @@ struct {
  * an address above 47 bits is then only cut short, never wrong). */
 #define USER_SPACE_END (1ULL << 47)
 
+/* Entries of the per-CPU memo of stored user stacks (a power of two). */
+#define FIRN_STORED_MEMO 16
+/* Entries of the per-CPU memo of resolved mappings (a power of two): a native stack
+ * mostly spans the program, libc and the loader's start. */
+#define FIRN_MAPPING_MEMO 4
+
+/* A mapping as find_mapping resolved it, with its table's run of rows. */
+struct firn_mapping_memo {
+	__u64 start;
+	__u64 end;
+	__u64 offset;
+	__u32 first;
+	__u32 count;
+	__u32 kind;                /* enum firn_mapping_kind; 0: empty */
+	__u32 pad;
+};
+
 /* The walk of one stack, per CPU. Kept in a map value, not on the BPF stack: the
  * verifier then sees every field as unknown, and checks the bpf_loop callback once
  * instead of once per frame count. */
@@ -85,13 +102,48 @@ struct firn_unwind_state {
 	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
 	__u64 py_hash;             /* seeded, of the process: code ids are per process */
 	__u32 py_frames;           /* Python frames this walk emitted (counted once) */
+	/* Native frames this walk unwound by a row and by frame pointers, counted once. */
+	__u16 table_frames;
+	__u16 fp_frames;
 	/* Code ids this CPU copied or found in pyseen lately (a per-CPU value outlives the
 	 * walk), valid while seen_epoch is pyepoch's: most frames skip the pyseen lookup. */
 	__u64 seen_epoch;
 	__u64 seen_ids[FIRN_PY_SEEN_CACHE];
+	/* The process this CPU sampled last, if it was announced (in `seen` with the cgroup
+	 * below) and has no interpreter in `pyprocs`, under the epochs below: its next
+	 * sample here skips both lookups (key_of). */
+	__u64 last_start_ns;
+	__u64 last_cgroup_id;
+	__u64 last_epochs;
+	__u32 last_tgid;
+	__u32 last_exec_id;
+	/* This sample's: the epochs read before its lookups, whether it was announced, and
+	 * what it found in `pyprocs` (enum firn_py_checked). */
+	__u64 epochs;
+	__u8 announced;
+	__u8 py_checked;
+	/* User stacks this CPU stored or found lately, with the set and set_epoch they
+	 * went to (tag = epoch << 1 | set): a repeat skips the stack map. */
+	__u64 stored_hash[FIRN_STORED_MEMO];
+	__u64 stored_tag[FIRN_STORED_MEMO];
+	/* Mappings this CPU resolved for the process below, under procepoch's value below
+	 * (the sampler moves it after every change of procmaps or tables): a frame in one
+	 * skips procmaps, the search of its mappings and tables, across samples. */
+	struct firn_mapping_memo mapping_memo[FIRN_MAPPING_MEMO];
+	__u64 memo_start_ns;
+	__u64 memo_epoch;
+	__u32 memo_tgid;
+	__u32 memo_exec_id;
+	__u32 memo_next;
 	struct firn_py_proc py;
 	__u8 frame_buf[FIRN_PY_FRAME_BUF];
 	__u8 code_buf[FIRN_PY_CODE_BUF];
+};
+
+enum firn_py_checked {
+	FIRN_PY_UNCHECKED = 0,        /* the walk stopped before it looked */
+	FIRN_PY_NATIVE = 1,           /* no interpreter for the process */
+	FIRN_PY_INTERPRETER = 2,
 };
 
 enum firn_py_after {
@@ -137,16 +189,47 @@ enum firn_mapping_kind {
 	MAPPING_NO_PROCESS = 5,    /* the process's mappings are not in the map (yet) */
 };
 
+/* Caches the mapping in st->c_* for the next frames, and in this CPU's memo for the
+ * next samples of the process. */
+static __always_inline __u32 remember_mapping(struct firn_unwind_state *st, __u32 kind)
+{
+	struct firn_mapping_memo *m = &st->mapping_memo[st->memo_next++ & (FIRN_MAPPING_MEMO - 1)];
+
+	m->start = st->c_start;
+	m->end = st->c_end;
+	m->offset = st->c_offset;
+	m->first = st->c_first;
+	m->count = st->c_count;
+	m->kind = kind;
+	st->cached = kind;
+	return kind;
+}
+
 /* Finds the executable mapping holding `pc` and caches it with its table. */
 static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc)
 {
 	struct firn_proc_maps *pm;
 	struct firn_file_key file;
+	struct firn_mapping_memo *m;
 	struct firn_table *t;
-	__u32 lo = 0, hi, mid, idx, j;
+	__u32 lo = 0, hi, mid, idx, j, hit = FIRN_MAPPING_MEMO;
 
 	if (st->cached && pc >= st->c_start && pc < st->c_end)
 		return st->cached;
+	for (j = 0; j < FIRN_MAPPING_MEMO; j++)
+		if (st->mapping_memo[j].kind && pc >= st->mapping_memo[j].start &&
+		    pc < st->mapping_memo[j].end)
+			hit = j;
+	if (hit < FIRN_MAPPING_MEMO) {
+		m = &st->mapping_memo[hit];
+		st->c_start = m->start;
+		st->c_end = m->end;
+		st->c_offset = m->offset;
+		st->c_first = m->first;
+		st->c_count = m->count;
+		st->cached = m->kind;
+		return st->cached;
+	}
 	pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
 	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
 		return MAPPING_NO_PROCESS;
@@ -173,28 +256,26 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 	st->c_start = pm->m[idx].start;
 	st->c_end = pm->m[idx].start + ((__u64)pm->m[idx].pages << 12);
 	st->c_offset = (__u64)pm->m[idx].offset_pages << 12;
-	if (pm->m[idx].inode == 0) {
-		st->cached = MAPPING_ANON;
-		return MAPPING_ANON;
-	}
+	if (pm->m[idx].inode == 0)
+		return remember_mapping(st, MAPPING_ANON);
 	file.inode = pm->m[idx].inode;
 	file.dev = pm->m[idx].dev;
 	file.reserved = 0;
 	t = bpf_map_lookup_elem(&tables, &file);
-	if (!t) {
-		st->cached = MAPPING_FILE;
-		return MAPPING_FILE;
-	}
+	if (!t)
+		return remember_mapping(st, MAPPING_FILE);
 	st->c_first = t->first;
 	st->c_count = t->count;
-	st->cached = MAPPING_FILE_TABLE;
-	return MAPPING_FILE_TABLE;
+	return remember_mapping(st, MAPPING_FILE_TABLE);
 }
 
-/* The row for `pc`, which lies in the cached mapping, or why there is none. */
+/* The row for `pc`, which lies in the cached mapping, or why there is none. The search
+ * keeps the last row at or below the offset as it goes (no second lookup), and moves its
+ * bounds by masks, not branches: which way each step goes depends on the pc, and a
+ * predictor cold again 10 ms after the last sample gets half of them wrong. */
 static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
 {
-	struct firn_unwind_row *r;
+	__u64 *r, found = 0, below;
 	__u32 lo = 0, hi, mid, idx, first = st->c_first, j;
 	__u64 off = pc - st->c_start + st->c_offset;
 
@@ -208,18 +289,16 @@ static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, st
 		r = bpf_map_lookup_elem(&rows, &idx);
 		if (!r)
 			return FIRN_END_NOT_IN_TABLE;
-		if (r->pc <= (__u32)off)
-			lo = mid + 1;
-		else
-			hi = mid;
+		/* All ones when the row's pc (its low 32 bits) is at or below off. */
+		below = -(((*r & 0xffffffffULL) - off - 1) >> 63);
+		found ^= (found ^ *r) & below;
+		lo ^= (lo ^ (mid + 1)) & (__u32)below;
+		hi ^= (hi ^ mid) & ~(__u32)below;
 	}
-	if (lo == 0)
+	__builtin_memcpy(out, &found, sizeof(found));
+	/* No row at or below off leaves found 0, whose kind is FIRN_CFA_NONE. */
+	if ((out->kinds & 0xf) == FIRN_CFA_NONE)
 		return FIRN_END_NOT_IN_TABLE;
-	idx = first + lo - 1;
-	r = bpf_map_lookup_elem(&rows, &idx);
-	if (!r || (r->kinds & 0xf) == FIRN_CFA_NONE)
-		return FIRN_END_NOT_IN_TABLE;
-	*out = *r;
 	return 0;
 }
 
@@ -309,7 +388,7 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 	st->fp_why = why;
 	if (why != 0) {
 		/* Frame pointers: [rbp] is the caller's rbp, [rbp + 8] the return address. */
-		bump(FIRN_CTR_FP_FRAMES);
+		st->fp_frames++;
 		st->end = why;
 		if (!st->bp_known || !in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES))
 			return 1;
@@ -321,7 +400,7 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		return ra < 4096 || ra >= USER_SPACE_END;
 	}
 
-	bump(FIRN_CTR_TABLE_FRAMES);
+	st->table_frames++;
 	cfa_kind = row.kinds & 0xf;
 	rbp_kind = row.kinds >> 4;
 	switch (cfa_kind) {
@@ -421,9 +500,10 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	struct firn_unwind_state *st;
 	struct firn_py_proc *py;
 	struct pt_regs *regs;
-	__u32 zero = 0, len;
+	__u32 zero = 0, len, memo;
 	void *ustacks;
 	long steps;
+	__u64 tag;
 
 	st = bpf_map_lookup_elem(&scratch, &zero);
 	/* A sample taken in user mode has an mm; a kernel thread has none. */
@@ -449,6 +529,16 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	st->tgid = key->tgid;
 	st->start_ns = key->start_ns;
 	st->exec_id = key->exec_id;
+	/* The memo of mappings holds for one process under one procepoch (key_of read it). */
+	if (st->memo_tgid != st->tgid || st->memo_start_ns != st->start_ns ||
+	    st->memo_exec_id != st->exec_id || st->memo_epoch != st->epochs >> 32) {
+		for (memo = 0; memo < FIRN_MAPPING_MEMO; memo++)
+			st->mapping_memo[memo].kind = 0;
+		st->memo_tgid = st->tgid;
+		st->memo_start_ns = st->start_ns;
+		st->memo_exec_id = st->exec_id;
+		st->memo_epoch = st->epochs >> 32;
+	}
 	st->len = 0;
 	st->cached = 0;
 	st->unmapped = 0;
@@ -464,19 +554,28 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	st->py_walking = 0;
 	st->py_skip_native = 0;
 	st->py_frame = 0;
-	py = bpf_map_lookup_elem(&pyprocs, &st->tgid);
+	/* Known native from this CPU's last sample (key_of): no lookup. */
+	py = st->py_checked == FIRN_PY_NATIVE ? NULL : bpf_map_lookup_elem(&pyprocs, &st->tgid);
+	st->py_checked = FIRN_PY_NATIVE;
 	if (py && py->start_ns == st->start_ns && py->exec_id == st->exec_id && types_ok(py)) {
 		st->py = *py;
 		st->py_state = FIRN_PY_STATE_UNLOOKED;
 		st->py_hash = mix(st->hash, 0x9e3779b97f4a7c15ULL);
+		st->py_checked = FIRN_PY_INTERPRETER;
 	}
 	st->py_frames = 0;
+	st->table_frames = 0;
+	st->fp_frames = 0;
 	st->stopped = 0;
 	if (st->py_state)
 		seen_cache_check(st);
 	steps = bpf_loop(FIRN_UNWIND_STEPS, unwind_step, NULL, 0);
 	if (st->py_frames)
 		add(FIRN_CTR_PY_FRAMES, st->py_frames);
+	if (st->table_frames)
+		add(FIRN_CTR_TABLE_FRAMES, st->table_frames);
+	if (st->fp_frames)
+		add(FIRN_CTR_FP_FRAMES, st->fp_frames);
 	if (steps >= FIRN_UNWIND_STEPS && !st->stopped && st->len < FIRN_MAX_STACK_DEPTH) {
 		/* Every step ran and none ended the walk. */
 		st->end = FIRN_END_DEPTH;
@@ -493,18 +592,29 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	key->unwind_end = st->end < FIRN_END_MAX ? st->end : FIRN_END_UNSUPPORTED;
 	bump(FIRN_CTR_END_BASE + key->unwind_end);
 	key->user_stack = st->hash ? st->hash : 1;
+	/* Stored by this CPU since the last flip: a set is emptied only after a flip away
+	 * from it, which moves set_epoch, so the tag tells the copy is still there. Read
+	 * after active_set, which the sampler writes after set_epoch: a sample can see a
+	 * flip's epoch with the set before it, never the reverse, and such a tag matches
+	 * only samples that straddle the same flip, which end before the drain. */
+	tag = (__u64)set_epoch << 1 | (set & 1);
+	memo = key->user_stack & (FIRN_STORED_MEMO - 1);
+	if (st->stored_hash[memo] == key->user_stack && st->stored_tag[memo] == tag)
+		return st->unmapped == 1;
 	/* Chosen after the walk: a map pointer live across bpf_loop splits the verifier's
 	 * states by set, and it walks the unwinder once for each. */
 	ustacks = set == 0 ? (void *)&ustacks_0 : (void *)&ustacks_1;
-	if (bpf_map_lookup_elem(ustacks, &key->user_stack))
-		return st->unmapped == 1;
 	/* Another CPU may have stored the same stack meanwhile (EEXIST): fine. */
-	if (bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
+	if (!bpf_map_lookup_elem(ustacks, &key->user_stack) &&
+	    bpf_map_update_elem(ustacks, &key->user_stack, &st->stack, BPF_NOEXIST) != 0 &&
 	    !bpf_map_lookup_elem(ustacks, &key->user_stack)) {
 		bump(FIRN_CTR_USER_STACK_FULL);
 		key->user_stack = 0;
 		key->user_status = -FIRN_ENOMEM;
+		return st->unmapped == 1;
 	}
+	st->stored_hash[memo] = key->user_stack;
+	st->stored_tag[memo] = tag;
 	return st->unmapped == 1;
 }
 

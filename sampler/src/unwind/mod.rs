@@ -14,7 +14,7 @@
 //! say. Tables last while the subscription that sent them does.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::rc::Rc;
 
 use firn_sampler_bpf::types::{firn_cfa_kind as Cfa, firn_rbp_kind as Rbp};
@@ -92,6 +92,8 @@ struct Maps {
     rows: OwnedFd,
     tables: OwnedFd,
     procmaps: OwnedFd,
+    /// `procepoch`: see [`Unwind::processes_changed`].
+    epoch: OwnedFd,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -141,10 +143,10 @@ pub struct Unwind {
 
 impl Unwind {
     /// Takes the maps' fds (duplicated before confinement): rows, tables and procmaps,
-    /// and the Python walk's pyprocs, pyseen and pyepoch.
+    /// and the Python walk's pyprocs, pyseen, pyepoch and procepoch.
     pub(crate) fn new(
         (rows, tables, procmaps): (OwnedFd, OwnedFd, OwnedFd),
-        (pyprocs, pyseen, pyepoch): (OwnedFd, OwnedFd, OwnedFd),
+        (pyprocs, pyseen, pyepoch, procepoch): (OwnedFd, OwnedFd, OwnedFd, OwnedFd),
         limits: Limits,
         counters: Rc<Counters>,
     ) -> Self {
@@ -153,6 +155,7 @@ impl Unwind {
                 rows,
                 tables,
                 procmaps,
+                epoch: procepoch,
             }),
             limits,
             pool: Pool::new(limits.pool_rows),
@@ -164,6 +167,16 @@ impl Unwind {
             users: HashMap::new(),
             python: python::Interpreters::new(Some(pyprocs), Some((pyseen, pyepoch))),
             counters,
+        }
+    }
+
+    /// What the walk knows of processes changed: `seen` (deleted by the sampler),
+    /// `pyprocs`, `procmaps` or `tables`. Moving the epoch drops every CPU's memo of the
+    /// process it sampled last and of the mappings it resolved, which then look all four
+    /// up again. Called after the change, and before a released row run is reused.
+    pub(crate) fn processes_changed(&self) {
+        if let Some(m) = &self.maps {
+            python::bump_epoch(m.epoch.as_fd());
         }
     }
 
@@ -325,6 +338,8 @@ impl Unwind {
             self.pool.release(p.first, p.total);
             return Err(TableError::Map(ret));
         }
+        // A replaced table's run is released below and may be reused.
+        self.processes_changed();
         self.seq += 1;
         if let Some(old) = self.installed.insert(
             p.file,
@@ -352,6 +367,7 @@ impl Unwind {
                     libbpf_sys::bpf_map_delete_elem(m.tables.as_raw_fd(), key.as_ptr().cast())
                 };
             }
+            self.processes_changed();
             self.pool.release(t.first, t.count);
         }
     }
@@ -373,6 +389,7 @@ impl Unwind {
             self.remove(f);
         }
         self.python.clear();
+        self.processes_changed();
         self.counters.python_interpreters_in_use.set(0);
         self.owner = None;
         self.counters.unwind_rows_in_use.set(0);
@@ -449,6 +466,7 @@ impl Unwind {
             bump(&c.unwind_procmaps_failed);
             return;
         }
+        self.processes_changed();
         for f in &files {
             *self.users.entry(*f).or_default() += 1;
         }
@@ -492,6 +510,7 @@ impl Unwind {
                 )
             };
         }
+        self.processes_changed();
     }
 
     fn unuse(&mut self, files: &[FileKey]) {

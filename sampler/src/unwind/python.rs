@@ -10,7 +10,7 @@
 //! only spoil the Python frames of the process it names (DESIGN rule 9).
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use firn_sampler_bpf::types::firn_py_proc;
 use firn_schema::python_record::{Invalid, Record, USER_END};
@@ -141,23 +141,31 @@ impl Interpreters {
         // as fewer reset).
         let n =
             crate::drain::take_all(seen.as_fd(), (8, 1), (1024, 1 << 20), |_, _| {}).unwrap_or(0);
-        let (zero, mut e) = (0u32, 0u64);
-        // SAFETY: pyepoch is an array of one u64 under key 0; both live for the calls.
-        unsafe {
-            libbpf_sys::bpf_map_lookup_elem(
-                epoch.as_raw_fd(),
-                (&raw const zero).cast(),
-                (&raw mut e).cast(),
-            );
-            e = e.wrapping_add(1);
-            libbpf_sys::bpf_map_update_elem(
-                epoch.as_raw_fd(),
-                (&raw const zero).cast(),
-                (&raw const e).cast(),
-                u64::from(libbpf_sys::BPF_ANY),
-            );
-        }
+        bump_epoch(epoch.as_fd());
         n as u64
+    }
+}
+
+/// Adds one to the u64 of an array map of one entry (an epoch the walk compares its
+/// per-CPU caches against). Only the sampler writes these, from one thread, so a read
+/// and a write do not lose a step.
+pub(super) fn bump_epoch(fd: BorrowedFd<'_>) {
+    let (zero, mut e) = (0u32, 0u64);
+    // SAFETY: the map is an array of one u64 under key 0 (a lookup of it does not
+    // fail); key and value live for the calls.
+    unsafe {
+        libbpf_sys::bpf_map_lookup_elem(
+            fd.as_raw_fd(),
+            (&raw const zero).cast(),
+            (&raw mut e).cast(),
+        );
+        e = e.wrapping_add(1);
+        libbpf_sys::bpf_map_update_elem(
+            fd.as_raw_fd(),
+            (&raw const zero).cast(),
+            (&raw const e).cast(),
+            u64::from(libbpf_sys::BPF_ANY),
+        );
     }
 }
 
@@ -290,6 +298,7 @@ impl super::Unwind {
         let c = &self.counters;
         match &r {
             Ok(()) => {
+                self.processes_changed();
                 self.owner = Some(owner);
                 bump(&c.python_interpreters_loaded);
             }
