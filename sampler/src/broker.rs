@@ -318,7 +318,7 @@ mod tests {
                 dev_major: libc::major(dev),
                 dev_minor: libc::minor(dev),
                 inode: ino,
-                path: path.as_os_str().as_bytes().to_vec(),
+                path: path.as_os_str().as_bytes().into(),
                 cut: false,
             }],
             complete: true,

@@ -85,7 +85,7 @@ pub(crate) fn read_process(
     if facts.kernel_thread {
         // Kernel threads live in the root cgroup; its text is what the caller knows, or
         // the v2 root's.
-        record.cgroup = cgroup.map_or_else(|| b"0::/\n".to_vec(), <[u8]>::to_vec);
+        record.cgroup = cgroup.unwrap_or(b"0::/\n").into();
         return Ok((record, 0, None));
     }
     let dir = procfs::open_proc_dir(pid).map_err(|e| (e, 0))?;
@@ -106,13 +106,13 @@ pub(crate) fn read_process(
     record.exe = exe_map.path.clone();
     record.cmdline = procfs::read_cmdline(&dir, pid);
     record.cgroup = match cgroup {
-        Some(c) => c.to_vec(),
+        Some(c) => c.into(),
         // Unreadable (gone by now): kept with what was read, as with `cmdline`.
-        None => procfs::cgroup_of(&dir, pid).unwrap_or_default(),
+        None => procfs::cgroup_of(&dir, pid).unwrap_or_default().into(),
     };
     record.mappings = mappings;
     record.code = code;
-    let read = maps_read + record.cgroup.len() + record.cmdline.iter().map(Vec::len).sum::<usize>();
+    let read = maps_read + record.cgroup.len() + record.cmdline.len();
     Ok((record, read, Some(dir)))
 }
 
@@ -171,13 +171,13 @@ mod tests {
         assert!(dir.is_some() && read > 0 && r.complete);
         assert_eq!((r.ppid, r.uid, r.comm.as_slice()), (1, 0, &b"test"[..]));
         assert_eq!(
-            r.exe,
+            r.exe.to_vec(),
             std::fs::read_link("/proc/self/exe")
                 .unwrap()
                 .into_os_string()
                 .into_encoded_bytes()
         );
-        assert!(!r.cmdline.is_empty() && r.cgroup == b"0::/x\n");
+        assert!(!r.cmdline.is_empty() && *r.cgroup == *b"0::/x\n");
     }
 
     #[test]
@@ -204,7 +204,7 @@ mod tests {
         let (r, read, dir) =
             read_process((2, 1), &ExeSeen::default(), &facts, None).expect("kernel thread");
         assert!(dir.is_none() && read == 0 && r.mappings.is_empty() && r.complete);
-        assert_eq!(r.cgroup, b"0::/\n");
+        assert_eq!(&*r.cgroup, b"0::/\n");
         assert!(usable(&ExeSeen::default(), &facts));
         assert!(!usable(&ExeSeen::default(), &Facts::default()));
     }

@@ -274,7 +274,7 @@ mod tests {
             dev_major: libc::major(st.st_dev),
             dev_minor: libc::minor(st.st_dev),
             inode: st.st_ino,
-            path: path.as_os_str().as_encoded_bytes().to_vec(),
+            path: path.as_os_str().as_encoded_bytes().into(),
             cut: false,
         }
     }
@@ -344,7 +344,7 @@ mod tests {
         assert_eq!(c.binary_handles_evicted.get(), 1);
         // A special file is never held.
         let mut fifo = mapping_of(&dir.join("a"));
-        fifo.path = b"/dev/null".to_vec();
+        fifo.path = b"/dev/null"[..].into();
         h.take(&own_proc(), &[fifo], &c);
         assert_eq!(c.binary_handles_failed.get(), 1);
         let _ = std::fs::remove_dir_all(&dir);
@@ -361,13 +361,13 @@ mod tests {
         let mut cut = mapping_of(&f);
         cut.cut = true;
         let mut deep = mapping_of(&f);
-        deep.path = b"/d".repeat(crate::broker::MAX_DEPTH + 1);
+        deep.path = b"/d".repeat(crate::broker::MAX_DEPTH + 1).into();
         h.take(&own_proc(), &[cut, deep], &c);
         assert_eq!(c.binary_handles_unwalkable.get(), 2);
         assert_eq!(h.steps_left, STEPS_PER_ROUND, "nothing was walked");
         // A path that does not lead to the file fails once, then is left alone.
         let mut wrong = mapping_of(&f);
-        wrong.path = dir.join("missing").as_os_str().as_encoded_bytes().to_vec();
+        wrong.path = dir.join("missing").as_os_str().as_encoded_bytes().into();
         h.take(&own_proc(), std::slice::from_ref(&wrong), &c);
         let spent = STEPS_PER_ROUND - h.steps_left;
         h.take(&own_proc(), std::slice::from_ref(&wrong), &c);

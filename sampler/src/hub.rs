@@ -440,7 +440,7 @@ mod tests {
                     dev_major: 8,
                     dev_minor: 1,
                     inode: id,
-                    path: vec![b'p'; path_bytes],
+                    path: vec![b'p'; path_bytes].into(),
                     cut: false,
                 }],
                 complete: true,

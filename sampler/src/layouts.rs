@@ -42,7 +42,7 @@ impl ExeSeen {
 }
 
 struct Layout {
-    exe: Vec<u8>,
+    exe: crate::procfs::Text,
     mappings: Vec<Mapping>,
     start_code: u64,
 }
@@ -155,7 +155,7 @@ mod tests {
             dev_major: 8,
             dev_minor: 1,
             inode: ino,
-            path: b"/usr/bin/tool".to_vec(),
+            path: b"/usr/bin/tool"[..].into(),
             cut: false,
         }
     }
@@ -163,7 +163,7 @@ mod tests {
     fn read(maps: Vec<Mapping>) -> ProcessRecord {
         ProcessRecord {
             pid: 10,
-            exe: b"/usr/bin/tool".to_vec(),
+            exe: b"/usr/bin/tool"[..].into(),
             mappings: maps,
             complete: true,
             ..Default::default()
@@ -178,7 +178,7 @@ mod tests {
         let mut l = Layouts::default();
         let lib = Mapping {
             inode: 99,
-            path: b"/usr/lib/libc.so.6".to_vec(),
+            path: b"/usr/lib/libc.so.6"[..].into(),
             ..mapping(0x7f00_0000_0000, 0x7f00_0010_0000, 99)
         };
         let seen = |start_code| ExeSeen {
@@ -193,7 +193,7 @@ mod tests {
         );
         let mut gone = ProcessRecord::default();
         l.describe(seen(0x6000_0000_1000), &mut gone, &c);
-        assert_eq!(gone.exe, b"/usr/bin/tool");
+        assert_eq!(&*gone.exe, b"/usr/bin/tool");
         assert!(!gone.complete, "still a record of what BPF saw");
         assert_eq!(
             gone.mappings.len(),

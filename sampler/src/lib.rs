@@ -26,6 +26,7 @@ mod reading;
 mod rounds;
 mod rpc;
 mod run;
+mod texts;
 mod trim;
 mod unwind;
 mod wire;

@@ -14,6 +14,7 @@ use crate::handles::Handles;
 use crate::layouts::{ExeSeen, Layouts};
 use crate::procfs::{self, ProcessRecord};
 use crate::reading::{placeholder, read_record};
+use crate::texts::Texts;
 
 /// Processes kept at most; past it the least recently seen is forgotten.
 const MAX_PROCESSES: usize = 32_768;
@@ -115,6 +116,8 @@ pub(crate) struct ProcessTable {
     fresh: Vec<(ProcKey, Rc<ProcessRecord>)>,
     /// Every process forgotten since the last `take_dropped`.
     dropped: Vec<ProcKey>,
+    /// The texts records share (paths, cgroup files, command lines).
+    texts: Texts,
     /// Ids of records evicted since the last `sweep`, which sends them as forgotten with
     /// its own: a subscriber would otherwise keep their records for good.
     evicted: Vec<u64>,
@@ -148,6 +151,7 @@ impl ProcessTable {
             fresh: Vec::new(),
             dropped: Vec::new(),
             evicted: Vec::new(),
+            texts: Texts::default(),
             cgroups: Cgroups::default(),
             layouts: Layouts::default(),
             remap_reads: firn_logs::TokenBucket::new(REMAP_READS_PER_SEC, REMAP_READS_BURST),
@@ -220,7 +224,7 @@ impl ProcessTable {
             return;
         }
         let (before, version) = (k.record.wire_bytes(), k.version);
-        let (read, changed) = refresh(k, round, &self.handles, counters, budget);
+        let (read, changed) = refresh(k, round, (&self.handles, &mut self.texts), counters, budget);
         // New files are what REMAP is for (a loader at work, a dlopen); a JIT's anonymous
         // code coming and going is taken but backs off like a read that found nothing.
         k.remap_wait = if k.version != version {
@@ -294,6 +298,7 @@ impl ProcessTable {
                     counters,
                 );
                 record.first_sample_ns = k.record.first_sample_ns;
+                self.texts.share(&mut record);
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
                 k.ranges = ranges_of(&record);
@@ -306,7 +311,13 @@ impl ProcessTable {
                 && (left_code || user.iter().any(|&a| !k.covers(a)))
             {
                 let before = k.record.wire_bytes();
-                let (read, changed) = refresh(k, round, &self.handles, counters, self.read_left);
+                let (read, changed) = refresh(
+                    k,
+                    round,
+                    (&self.handles, &mut self.texts),
+                    counters,
+                    self.read_left,
+                );
                 if changed {
                     self.fresh.push((key, k.record.clone()));
                 }
@@ -351,6 +362,7 @@ impl ProcessTable {
             (placeholder(key.tgid, key.start_ns, comm), true)
         };
         record.first_sample_ns = seen_ns;
+        self.texts.share(&mut record);
         self.bytes += record.wire_bytes();
         let known = Known {
             id,
@@ -419,6 +431,7 @@ impl ProcessTable {
             false
         });
         self.bytes = self.bytes.saturating_sub(freed);
+        self.texts.sweep();
         add(&counters.processes_forgotten, gone.len() as u64);
         // Counted when they were evicted.
         gone.append(&mut self.evicted);
@@ -466,7 +479,7 @@ impl ProcessTable {
 fn refresh(
     k: &mut Known,
     round: u64,
-    handles: &RefCell<Handles>,
+    (handles, texts): (&RefCell<Handles>, &mut Texts),
     counters: &Counters,
     budget: usize,
 ) -> (usize, bool) {
@@ -498,6 +511,7 @@ fn refresh(
             if rec.trim_to(procfs::MAX_RECORD_BYTES) {
                 bump(&counters.process_records_trimmed);
             }
+            texts.share(&mut rec);
             k.ranges = ranges_of(&rec);
             k.record = Rc::new(rec);
             k.backoff = 1;

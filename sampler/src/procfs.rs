@@ -37,6 +37,10 @@ pub(crate) enum ProcError {
     Execed { pid: u32 },
 }
 
+/// A record's text that repeats across processes (paths, cgroup files, command lines),
+/// shared between records by the table (`texts.rs`).
+pub(crate) type Text = std::rc::Rc<[u8]>;
+
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Mapping {
     pub(crate) start: u64,
@@ -45,7 +49,7 @@ pub(crate) struct Mapping {
     pub(crate) dev_major: u32,
     pub(crate) dev_minor: u32,
     pub(crate) inode: u64,
-    pub(crate) path: Vec<u8>,
+    pub(crate) path: Text,
     /// The kernel printed a longer path than is kept: it can never be resolved, so it is
     /// never walked (not sent: the enricher sees the kept prefix).
     pub(crate) cut: bool,
@@ -58,9 +62,10 @@ pub(crate) struct ProcessRecord {
     pub(crate) ppid: u32,
     pub(crate) uid: u32,
     pub(crate) comm: Vec<u8>,
-    pub(crate) exe: Vec<u8>,
-    pub(crate) cmdline: Vec<Vec<u8>>,
-    pub(crate) cgroup: Vec<u8>,
+    pub(crate) exe: Text,
+    /// The arguments, each followed by a NUL (none empty; see [`Self::args`]).
+    pub(crate) cmdline: Text,
+    pub(crate) cgroup: Text,
     pub(crate) mappings: Vec<Mapping>,
     /// Anonymous executable ranges (JIT code, the vDSO): for the unwinder's check that
     /// every frame is code of the process; not sent.
@@ -77,13 +82,18 @@ const FIELD_OVERHEAD: usize = 16;
 const MAPPING_FIXED: usize = 56;
 
 impl ProcessRecord {
+    /// The command line's arguments.
+    pub(crate) fn args(&self) -> impl Iterator<Item = &[u8]> {
+        self.cmdline.split(|&b| b == 0).filter(|a| !a.is_empty())
+    }
+
     /// An upper estimate of the record's size in a batch.
     pub(crate) fn wire_bytes(&self) -> usize {
         let text = |b: &[u8]| b.len() + FIELD_OVERHEAD;
         96 + text(&self.comm)
             + text(&self.exe)
             + text(&self.cgroup)
-            + self.cmdline.iter().map(|a| text(a)).sum::<usize>()
+            + self.args().map(text).sum::<usize>()
             + self
                 .mappings
                 .iter()
@@ -171,11 +181,11 @@ pub(crate) fn read_process_at(
         }
     }
     let uid = fstat(dir.as_fd()).map_err(|e| io_err(pid, "", e))?.st_uid;
-    let exe = nix::fcntl::readlinkat(dir.as_fd(), "exe")
+    let exe: Text = nix::fcntl::readlinkat(dir.as_fd(), "exe")
         .map(|p| {
             let mut b = p.into_encoded_bytes();
             b.truncate(limits::MAX_PATH_BYTES as usize);
-            b
+            b.into()
         })
         .unwrap_or_default();
     // Mappings before the rest: a short-lived process may be gone at the next read.
@@ -185,10 +195,10 @@ pub(crate) fn read_process_at(
         return Err(ProcError::Gone { pid });
     }
     let cmdline = read_cmdline(&dir, pid);
-    let cgroup = match cgroup {
-        Some(c) => c.to_vec(),
+    let cgroup: Text = match cgroup {
+        Some(c) => c.into(),
         // Unreadable (gone by now): kept with what was read, as with `cmdline`.
-        None => cgroup_of(&dir, pid).unwrap_or_default(),
+        None => cgroup_of(&dir, pid).unwrap_or_default().into(),
     };
     let read = stat.len() + exe.len() + cgroup.len() + maps_read;
     let record = ProcessRecord {
@@ -205,7 +215,7 @@ pub(crate) fn read_process_at(
         complete: true,
         first_sample_ns: 0,
     };
-    let read = read + record.cmdline.iter().map(Vec::len).sum::<usize>();
+    let read = read + record.cmdline.len();
     Ok((record, read, dir))
 }
 
@@ -246,7 +256,7 @@ pub(crate) fn read_cgroup(pid: u32, start_ns: u64) -> Result<Vec<u8>, ProcError>
 }
 
 /// The arguments of the process at `dir` (none when unreadable: gone by now).
-pub(crate) fn read_cmdline(dir: &OwnedFd, pid: u32) -> Vec<Vec<u8>> {
+pub(crate) fn read_cmdline(dir: &OwnedFd, pid: u32) -> Text {
     read_bounded(dir, pid, "cmdline", limits::MAX_CMDLINE_BYTES as usize)
         .map(|c| split_cmdline(&c))
         .unwrap_or_default()
@@ -378,12 +388,19 @@ fn parse_stat(stat: &[u8]) -> Option<Stat> {
     })
 }
 
-fn split_cmdline(raw: &[u8]) -> Vec<Vec<u8>> {
-    raw.split(|&b| b == 0)
+/// The arguments of a raw command line, each followed by a NUL: empty ones left out,
+/// at most MAX_CMDLINE_ARGS.
+fn split_cmdline(raw: &[u8]) -> Text {
+    let mut out = Vec::with_capacity(raw.len() + 1);
+    for a in raw
+        .split(|&b| b == 0)
         .filter(|a| !a.is_empty())
         .take(limits::MAX_CMDLINE_ARGS as usize)
-        .map(<[u8]>::to_vec)
-        .collect()
+    {
+        out.extend_from_slice(a);
+        out.push(0);
+    }
+    out.into()
 }
 
 /// Anonymous executable ranges kept per process at most.
@@ -489,7 +506,7 @@ fn parse_maps_line(line: &[u8]) -> Option<Mapping> {
         dev_major: u32::try_from(hex(&dev[..colon])?).ok()?,
         dev_minor: u32::try_from(hex(&dev[colon + 1..])?).ok()?,
         inode,
-        path: path[..path.len().min(limits::MAX_PATH_BYTES as usize)].to_vec(),
+        path: path[..path.len().min(limits::MAX_PATH_BYTES as usize)].into(),
         cut: path.len() > limits::MAX_PATH_BYTES as usize,
     })
 }

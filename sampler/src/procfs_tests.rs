@@ -32,9 +32,9 @@ fn maps_keeps_executable_file_mappings() {
         (m[0].dev_major, m[0].dev_minor, m[0].inode),
         (0xfd, 1, 1234)
     );
-    assert_eq!(m[0].path, b"/usr/bin/a b");
+    assert_eq!(&*m[0].path, b"/usr/bin/a b");
     assert_eq!((m[1].dev_major, m[1].dev_minor), (0x103, 0xa));
-    assert_eq!(m[1].path, b"/lib/x.so (deleted)");
+    assert_eq!(&*m[1].path, b"/lib/x.so (deleted)");
 }
 
 #[test]
@@ -46,7 +46,7 @@ fn records_are_trimmed_to_their_bound() {
         dev_major: 8,
         dev_minor: 1,
         inode: i + 1,
-        path: vec![b'x'; 4000],
+        path: vec![b'x'; 4000].into(),
         cut: false,
     };
     let mut r = ProcessRecord {
@@ -65,7 +65,7 @@ fn records_are_trimmed_to_their_bound() {
         mappings: (0..4096)
             .map(|i| Mapping {
                 inode: if i < 4000 { 7 } else { i },
-                path: vec![b'x'; 1000],
+                path: vec![b'x'; 1000].into(),
                 ..mapping(i)
             })
             .collect(),

@@ -137,8 +137,8 @@ fn fill_process(mut w: process::Builder<'_>, p: &Issued) {
     w.set_mappings_version(p.version);
     w.set_complete(r.complete);
     w.set_first_sample_ns(r.first_sample_ns);
-    let mut args = w.reborrow().init_cmdline(len32(r.cmdline.len()));
-    for (i, a) in r.cmdline.iter().enumerate() {
+    let mut args = w.reborrow().init_cmdline(len32(r.args().count()));
+    for (i, a) in r.args().enumerate() {
         args.set(len32(i), a);
     }
     let mut maps = w.init_mappings(len32(r.mappings.len()));

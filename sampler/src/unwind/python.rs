@@ -350,7 +350,7 @@ mod tests {
             dev_major: 8,
             dev_minor: 1,
             inode: 42,
-            path: b"/usr/lib/libpython3.12.so.1.0".to_vec(),
+            path: b"/usr/lib/libpython3.12.so.1.0"[..].into(),
             cut: false,
         }
     }
