@@ -67,7 +67,6 @@ pub(crate) struct Known {
     pub(crate) start_ns: u64,
     pub(crate) version: u32,
     pub(crate) record: Rc<ProcessRecord>,
-    ranges: Vec<(u64, u64)>,
     last_seen: u64,
     next_refresh: u64,
     backoff: u64,
@@ -85,17 +84,14 @@ pub(crate) struct Known {
 }
 
 impl Known {
+    /// Whether `addr` lies in the record's file mappings or anonymous code (each in
+    /// address order: `Texts::share` saw to it).
     fn covers(&self, addr: u64) -> bool {
-        let i = self.ranges.partition_point(|r| r.0 <= addr);
-        i > 0 && addr < self.ranges[i - 1].1
+        let r = &self.record;
+        let i = r.mappings.partition_point(|m| m.start <= addr);
+        let j = r.code.partition_point(|c| c.0 <= addr);
+        (i > 0 && addr < r.mappings[i - 1].end) || (j > 0 && addr < r.code[j - 1].1)
     }
-}
-
-fn ranges_of(rec: &ProcessRecord) -> Vec<(u64, u64)> {
-    let mut r: Vec<_> = rec.mappings.iter().map(|m| (m.start, m.end)).collect();
-    r.extend_from_slice(&rec.code);
-    r.sort_unstable();
-    r
 }
 
 /// Keyed by [`ProcKey`]: within one round a pid can name two processes (reuse) or two
@@ -301,7 +297,6 @@ impl ProcessTable {
                 self.texts.share(&mut record);
                 self.read_left = self.read_left.saturating_sub(read);
                 self.bytes = self.bytes.saturating_sub(k.record.wire_bytes()) + record.wire_bytes();
-                k.ranges = ranges_of(&record);
                 k.record = Rc::new(record);
                 k.version += 1;
                 k.deferred = false;
@@ -368,7 +363,6 @@ impl ProcessTable {
             id,
             start_ns: key.start_ns,
             version: 1,
-            ranges: ranges_of(&record),
             record: Rc::new(record),
             last_seen: round,
             next_refresh: round + 1,
@@ -512,7 +506,6 @@ fn refresh(
                 bump(&counters.process_records_trimmed);
             }
             texts.share(&mut rec);
-            k.ranges = ranges_of(&rec);
             k.record = Rc::new(rec);
             k.backoff = 1;
             changed = true;

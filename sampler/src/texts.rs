@@ -35,13 +35,20 @@ impl Texts {
         }
     }
 
-    /// Makes `r`'s texts the shared copies, and its lists exactly as long as they are.
+    /// Makes `r`'s texts the shared copies, and its lists exactly as long as they are
+    /// and in address order (what the table's `covers` searches).
     pub(crate) fn share(&mut self, r: &mut ProcessRecord) {
         self.share_one(&mut r.exe);
         self.share_one(&mut r.cgroup);
         self.share_one(&mut r.cmdline);
         for m in &mut r.mappings {
             self.share_one(&mut m.path);
+        }
+        if !r.mappings.is_sorted_by_key(|m| m.start) {
+            r.mappings.sort_by_key(|m| m.start);
+        }
+        if !r.code.is_sorted() {
+            r.code.sort_unstable();
         }
         r.mappings.shrink_to_fit();
         r.code.shrink_to_fit();
