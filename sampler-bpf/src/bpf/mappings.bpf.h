@@ -1,0 +1,161 @@
+/* SPDX-License-Identifier: GPL-2.0 */
+/*
+ * Where a pc of the current process lies, for the unwinder (unwind.bpf.h, which includes
+ * this after its walk state): the process's executable mappings (`procmaps`, written by
+ * the sampler from /proc/PID/maps), its files' tables (`tables` → a run of `rows`, built
+ * by the enricher and checked by the sampler), the mapping that holds a pc and the row
+ * that covers it, with the per-walk and per-CPU memos of mappings resolved before.
+ */
+#ifndef FIRN_MAPPINGS_BPF_H
+#define FIRN_MAPPINGS_BPF_H
+
+/* Unwind rows of every table, one run per file. The sampler sizes it before loading
+ * (--unwind-rows), hands out runs and copies rows in through a mapped window. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct firn_unwind_row);
+} rows SEC(".maps");
+
+/* File → its run in `rows`. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct firn_file_key);
+	__type(value, struct firn_table);
+} tables SEC(".maps");
+
+/* tgid → executable mappings of the process. Not preallocated (2 KiB a process). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16384);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, struct firn_proc_maps);
+} procmaps SEC(".maps");
+
+/* What holds a pc of the current process. */
+enum firn_mapping_kind {
+	MAPPING_FILE_TABLE = 1,    /* a file mapping whose file has a table */
+	MAPPING_FILE = 2,          /* a file mapping, no table */
+	MAPPING_ANON = 3,          /* anonymous executable memory: JIT code, the vDSO */
+	MAPPING_NONE = 4,          /* no executable mapping known to hold it */
+	MAPPING_NO_PROCESS = 5,    /* the process's mappings are not in the map (yet) */
+};
+
+/* Caches the mapping in st->c_* for the next frames, and in this CPU's memo for the
+ * next samples of the process. */
+static __always_inline __u32 remember_mapping(struct firn_unwind_state *st, __u32 kind)
+{
+	struct firn_mapping_memo *m = &st->mapping_memo[st->memo_next++ & (FIRN_MAPPING_MEMO - 1)];
+
+	m->start = st->c_start;
+	m->end = st->c_end;
+	m->offset = st->c_offset;
+	m->first = st->c_first;
+	m->count = st->c_count;
+	m->kind = kind;
+	st->cached = kind;
+	return kind;
+}
+
+/* Finds the executable mapping holding `pc` and caches it with its table. */
+static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc)
+{
+	struct firn_proc_maps *pm;
+	struct firn_file_key file;
+	struct firn_mapping_memo *m;
+	struct firn_table *t;
+	__u32 lo = 0, hi, mid, idx, j, hit = FIRN_MAPPING_MEMO;
+
+	if (st->cached && pc >= st->c_start && pc < st->c_end)
+		return st->cached;
+	for (j = 0; j < FIRN_MAPPING_MEMO; j++)
+		if (st->mapping_memo[j].kind && pc >= st->mapping_memo[j].start &&
+		    pc < st->mapping_memo[j].end)
+			hit = j;
+	if (hit < FIRN_MAPPING_MEMO) {
+		m = &st->mapping_memo[hit];
+		st->c_start = m->start;
+		st->c_end = m->end;
+		st->c_offset = m->offset;
+		st->c_first = m->first;
+		st->c_count = m->count;
+		st->cached = m->kind;
+		return st->cached;
+	}
+	pm = bpf_map_lookup_elem(&procmaps, &st->tgid);
+	if (!pm || pm->start_ns != st->start_ns || pm->exec_id != st->exec_id)
+		return MAPPING_NO_PROCESS;
+	hi = pm->count;
+	if (hi >= FIRN_MAX_MAPPINGS) {
+		hi = FIRN_MAX_MAPPINGS;
+		st->unmapped = 2;
+	}
+	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. */
+	for (j = 0; j < 7 && lo < hi; j++) {
+		mid = (lo + hi) / 2;
+		if (mid >= FIRN_MAX_MAPPINGS)
+			return MAPPING_NONE;
+		if (pm->m[mid].start <= pc)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (lo == 0)
+		return MAPPING_NONE;
+	idx = lo - 1;
+	if (idx >= FIRN_MAX_MAPPINGS || pc - pm->m[idx].start >= (__u64)pm->m[idx].pages << 12)
+		return MAPPING_NONE;
+	st->c_start = pm->m[idx].start;
+	st->c_end = pm->m[idx].start + ((__u64)pm->m[idx].pages << 12);
+	st->c_offset = (__u64)pm->m[idx].offset_pages << 12;
+	if (pm->m[idx].inode == 0)
+		return remember_mapping(st, MAPPING_ANON);
+	file.inode = pm->m[idx].inode;
+	file.dev = pm->m[idx].dev;
+	file.reserved = 0;
+	t = bpf_map_lookup_elem(&tables, &file);
+	if (!t)
+		return remember_mapping(st, MAPPING_FILE);
+	st->c_first = t->first;
+	st->c_count = t->count;
+	return remember_mapping(st, MAPPING_FILE_TABLE);
+}
+
+/* The row for `pc`, which lies in the cached mapping, or why there is none. The search
+ * keeps the last row at or below the offset as it goes (no second lookup), and moves its
+ * bounds by masks, not branches: which way each step goes depends on the pc, and a
+ * predictor cold again 10 ms after the last sample gets half of them wrong. */
+static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
+{
+	__u64 *r, found = 0, below;
+	__u32 lo = 0, hi, mid, idx, first = st->c_first, j;
+	__u64 off = pc - st->c_start + st->c_offset;
+
+	if (off > 0xffffffffULL)
+		return FIRN_END_NOT_IN_TABLE;
+	/* Last row at or below off; the sampler keeps count < 2^24. */
+	hi = st->c_count;
+	for (j = 0; j < 24 && lo < hi; j++) {
+		mid = lo + (hi - lo) / 2;
+		idx = first + mid;
+		r = bpf_map_lookup_elem(&rows, &idx);
+		if (!r)
+			return FIRN_END_NOT_IN_TABLE;
+		/* All ones when the row's pc (its low 32 bits) is at or below off. */
+		below = -(((*r & 0xffffffffULL) - off - 1) >> 63);
+		found ^= (found ^ *r) & below;
+		lo ^= (lo ^ (mid + 1)) & (__u32)below;
+		hi ^= (hi ^ mid) & ~(__u32)below;
+	}
+	__builtin_memcpy(out, &found, sizeof(found));
+	/* No row at or below off leaves found 0, whose kind is FIRN_CFA_NONE. */
+	if ((out->kinds & 0xf) == FIRN_CFA_NONE)
+		return FIRN_END_NOT_IN_TABLE;
+	return 0;
+}
+
+#endif
