@@ -11,12 +11,16 @@ use firn_tests::*;
 
 const SECS: Duration = Duration::from_secs(1);
 
-/// The main thread's traces: all but those of the helper thread (its stacks start at
-/// `start_thread`; a helper stack cut short counts as the main thread's, against it).
+/// The main thread's measured traces: all but those of the helper thread (its stacks
+/// start at `start_thread`; a helper stack cut short counts as the main thread's, against
+/// it) and of the warm-up.
 fn main_thread(traces: Vec<(u64, Vec<String>)>) -> Vec<(u64, Vec<String>)> {
     traces
         .into_iter()
-        .filter(|(_, fr)| !fr.iter().any(|f| f == "start_thread" || f == "helper"))
+        .filter(|(_, fr)| {
+            !fr.iter()
+                .any(|f| f == "start_thread" || f == "helper" || f == "warm_sleep")
+        })
         .collect()
 }
 
@@ -34,10 +38,13 @@ fn workload() -> PathBuf {
     compile_plain("gcc", "offcpu.c", "offcpu-gcc", &["-O2", "-g", "-pthread"])
 }
 
-/// Runs the workload for `secs` s; its pid and what it measured.
+/// Runs the workload for `secs` s, after 2 s of warm-up, not measured: on a loaded
+/// machine the enricher may build other binaries' tables first, and waits before its
+/// binary's table comes end at its first frame (a -O2 build keeps no frame pointers).
+/// Its pid and what it measured.
 fn run(secs: u32) -> (u32, Truth) {
     let mut cmd = Command::new(workload());
-    cmd.arg(secs.to_string());
+    cmd.arg(secs.to_string()).arg("2000");
     let mut p = Proc::spawn("offcpu", cmd);
     let line = p
         .wait_for("off_cpu_ns", (secs + 30) * SECS)

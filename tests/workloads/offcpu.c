@@ -1,7 +1,8 @@
 /* Waits off CPU in three named functions, for the off-CPU tests: blocked on a pipe
  * (a helper thread writes after PIPE_MS), asleep (SLEEP_MS), and on a mutex the helper
- * holds for MUTEX_MS. Built with gcc -O2 (no frame pointers). Usage: offcpu SECONDS.
- * Prints "ready", then at the end what it measured itself, per function and for the
+ * holds for MUTEX_MS. Built with gcc -O2 (no frame pointers). Usage: offcpu SECONDS
+ * [WARM_MS]: first asleep in warm_sleep for WARM_MS, not measured (a profiler's first
+ * waits of a new binary may come before its unwind table). Prints "ready", then at the end what it measured itself, per function and for the
  * main thread in all: wall time minus the thread's CPU time, in ns. */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -64,6 +65,11 @@ __attribute__((noinline)) void wait_sleep(void)
 	nap(SLEEP_MS);
 }
 
+__attribute__((noinline)) void warm_sleep(void)
+{
+	nap(SLEEP_MS);
+}
+
 __attribute__((noinline)) void wait_mutex(void)
 {
 	pthread_mutex_lock(&lock);
@@ -81,12 +87,15 @@ static long long timed(void (*f)(void))
 int main(int argc, char **argv)
 {
 	int secs = argc > 1 ? atoi(argv[1]) : 8;
+	long long warm_end = now(CLOCK_MONOTONIC) + (argc > 2 ? atoll(argv[2]) : 0) * 1000000LL;
 	long long pipe_ns = 0, sleep_ns = 0, mutex_ns = 0, end, w0, c0;
 	pthread_t t;
 	char c;
 
 	if (pipe(cmd) || pipe(data) || pipe(ack) || pthread_create(&t, NULL, helper, NULL))
 		return 1;
+	while (now(CLOCK_MONOTONIC) < warm_end)
+		warm_sleep();
 	printf("ready\n");
 	fflush(stdout);
 	w0 = now(CLOCK_MONOTONIC);

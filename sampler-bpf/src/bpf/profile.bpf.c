@@ -73,8 +73,9 @@ struct {
 	__type(value, struct firn_seen);
 } seen SEC(".maps");
 
-/* Moved by the sampler after it deletes from `seen` or changes `pyprocs`: a CPU's memo
- * of the process it sampled last (key_of) holds only under the epoch it was made in. */
+/* Moved by the sampler after it deletes from `seen` or changes `pyprocs`, `procmaps` or
+ * `tables`: a CPU's memos of the process it sampled last (key_of) and of the mappings it
+ * resolved (mappings.bpf.h) hold only under the value they were made in. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -355,13 +356,13 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		key->kern_status = -FIRN_EFAULT;
 		return;
 	}
-	/* Read before the lookups: a change the sampler makes after them moves it. */
 	/* Filled on both paths: stack slots that differ between them would make the
 	 * verifier walk the unwinder once for each. */
 	pid.tgid = key->tgid;
 	pid.exec_id = key->exec_id;
 	pid.start_ns = key->start_ns;
 	fresh.cgroup_id = key->cgroup_id;
+	/* Read before the lookups: a change the sampler makes after them moves it. */
 	st->epochs = *epoch << 32 | cgroup_epoch;
 	st->announced = 0;
 	st->py_checked = FIRN_PY_UNCHECKED;
