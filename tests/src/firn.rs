@@ -277,6 +277,23 @@ impl Firn {
         self.sampler = spawn_sampler(&[], &self.plan.sampler);
     }
 
+    /// Waits until the enricher's start-up wave of unwind tables is built: its build time
+    /// unmoved for a second (at most 30 s). A workload started then gets its table in
+    /// milliseconds, not after every other binary of a busy machine (a build beside the
+    /// tests: librustc_driver and libLLVM take a quarter second each).
+    pub fn tables_settled(&self) {
+        let t0 = Instant::now();
+        let mut last = None;
+        while t0.elapsed() < Duration::from_secs(30) {
+            let now = self.metric("firn_enricher_unwind_table_build_ns_total");
+            if now.is_some() && now == last {
+                return;
+            }
+            last = now;
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
     /// Profile files (all rounds) whose index labels have pid == `pid`.
     pub fn profiles_of(&self, pid: u32) -> Vec<PathBuf> {
         index_entries(&self.out)

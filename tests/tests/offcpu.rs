@@ -108,6 +108,7 @@ fn off_cpu_time_per_function_matches_the_programs_own_clock() {
         "offcpu",
         &["--frequency", "99", "--off-cpu", "--off-cpu-rate", "0"],
     );
+    f.tables_settled();
     let (pid, truth) = run(8);
     settle(&f);
     let files = f.profiles_of(pid);
@@ -443,6 +444,8 @@ fn on_cpu_samples_are_unchanged_by_the_flag() {
         let mut args = vec!["--frequency", "99", "--round", "2"];
         args.extend(flag);
         let f = Firn::start("offcpu-oncpu", &args);
+        // Samples before the chain's table ends at its first frame (no frame pointers).
+        f.tables_settled();
         let mut cmd = Command::new(&chain);
         cmd.arg("6");
         let mut p = Proc::spawn("chain", cmd);
