@@ -170,12 +170,19 @@ impl crate::rounds::MapSets for Sampling {
         for (key, rec) in fresh {
             u.set_process(*key, rec);
         }
+        // Once for the batch, not per process: two map calls each under churn.
+        if !fresh.is_empty() {
+            u.processes_changed();
+        }
     }
 
     fn forget_mappings(&mut self, keys: &[crate::processes::ProcKey]) {
         let mut u = self.unwind.borrow_mut();
         for key in keys {
             u.forget_process(*key);
+        }
+        if !keys.is_empty() {
+            u.processes_changed();
         }
     }
 }

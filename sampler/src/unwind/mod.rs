@@ -404,6 +404,7 @@ impl Unwind {
     }
 
     /// Writes the executable mappings of a process just read from /proc.
+    /// The caller moves the epoch once after a batch of these ([`Self::processes_changed`]).
     pub(crate) fn set_process(&mut self, key: crate::processes::ProcKey, rec: &ProcessRecord) {
         let c = self.counters.clone();
         let Some(bpf) = &self.maps else { return };
@@ -466,7 +467,6 @@ impl Unwind {
             bump(&c.unwind_procmaps_failed);
             return;
         }
-        self.processes_changed();
         for f in &files {
             *self.users.entry(*f).or_default() += 1;
         }
@@ -489,6 +489,7 @@ impl Unwind {
 
     /// The process is forgotten: its mappings go, unless the pid is another process's
     /// by now (reuse, or its next program after an exec).
+    /// The caller moves the epoch once after a batch of these ([`Self::processes_changed`]).
     pub(crate) fn forget_process(&mut self, key: crate::processes::ProcKey) {
         match self.processes.get(&key.tgid) {
             Some(&(start, exec, _)) if start == key.start_ns && exec == key.exec_id => {}
@@ -510,7 +511,6 @@ impl Unwind {
                 )
             };
         }
-        self.processes_changed();
     }
 
     fn unuse(&mut self, files: &[FileKey]) {
