@@ -273,17 +273,25 @@ def upload_table(rows):
     return "\n".join(out)
 
 
+def window(rs):
+    """What happened during each run's window (older suite.json rows lack it)."""
+    keys = ("window_new_processes", "window_tables_built", "window_symbol_parses")
+    return "<br>".join("/".join(f"{r[k]:.0f}" if k in r else "–" for k in keys) for r in rs)
+
+
 def rest_table(rows):
     """Medians over repetitions per (state, Hz), against issue #14's targets."""
-    targets = {("idle", 99): (0.5, 1.0, None), ("idle", 19): (0.25, 0.5, None),
+    targets = {("idle", 99): (0.15, 0.3, None), ("idle", 19): (0.075, 0.15, None),
                ("busy", 99): (None, None, 2.0)}
-    out = ["Targets (#14): idle at 99 Hz sampler ≤ 0.5 and enricher ≤ 1.0 ms/s, at 19 Hz half; busy "
-           "at 99 Hz both together ≤ 2 ms/s; everywhere enricher peak ≤ 64 MiB, sampler ≤ 8 MiB (end) "
-           "and ≤ 10 MiB (peak).", "",
+    out = ["Targets (#31, after #14's): idle at 99 Hz sampler ≤ 0.15 and enricher ≤ 0.3 ms/s, at 19 Hz "
+           "half, first wave of table loads included; busy at 99 Hz both together ≤ 2 ms/s; everywhere "
+           "enricher peak ≤ 64 MiB, sampler ≤ 8 MiB (end) and ≤ 10 MiB (peak). \"in the window\": new "
+           "processes the sampler saw, tables the enricher built, and symbol parses (first loads, "
+           "reparses, one-round parses) during the 60 s: other programs starting on the machine.", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
            "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
-           "BPF maps MiB | table loads: rows, sampler ns/row |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes, tables, parses |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ["idle", "busy", "four"]
     keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))
     for state, hz in keys:
@@ -309,7 +317,8 @@ def rest_table(rows):
                    f"{bl.fmt(med('enricher_rss_mib'), '{:.1f}')} / {bl.fmt(med('enricher_peak_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('kernel_memory_mib'), '{:.1f}')} | "
-                   f"{bl.fmt(med('rows_loaded'), '{:,.0f}')}, {bl.fmt(med('table_ns_per_row'), '{:.1f}')} |")
+                   f"{bl.fmt(med('rows_loaded'), '{:,.0f}')}, {bl.fmt(med('table_ns_per_row'), '{:.1f}')} | "
+                   f"{window(rs)} |")
     return "\n".join(out)
 
 

@@ -87,6 +87,9 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     f.start(hz)
     time.sleep(max(0.0, warm - (time.time() - f.t0)))
     s, e = f.pids()
+    # Counters before the window (fetched outside it): what happened in it, such as new
+    # processes whose tables are built, explains a window's cost.
+    m0 = f.metrics()
     c0, t0 = {p: proc_cpu(p) for p in (s, e)}, time.time()
     points = []
     while time.time() - t0 < window:
@@ -115,6 +118,12 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
             "table_ns_per_row": m.get("firn_sampler_unwind_table_load_ns", 0)
             / max(1, m.get("firn_sampler_unwind_rows_loaded", 0)),
             "frames_cached": m.get("firn_enricher_symbol_frames_cached", 0),
+            "window_new_processes": m.get("firn_sampler_events_new", 0) - m0.get("firn_sampler_events_new", 0),
+            "window_tables_built": m.get("firn_enricher_unwind_tables_built_total", 0)
+            - m0.get("firn_enricher_unwind_tables_built_total", 0),
+            "window_symbol_parses": sum(m.get(k, 0) - m0.get(k, 0) for k in (
+                "firn_enricher_symbol_reparses_total", "firn_enricher_symbol_parses_transient_total",
+                "firn_enricher_binaries_loaded_total")),
             "rss_points": points}
 
 
