@@ -12,7 +12,7 @@
 //! a binary and reads its tables and debug sections, and builds function and line
 //! tables on the heap. Past the budget the least recently used parse is dropped, but
 //! not one needed in the last two rounds (the working set): a newcomer that does not
-//! fit beside those is parsed for its round alone. A binary whose DWARF does not fit
+//! fit beside those is parsed for its round alone, within 1.5 times the budget. A binary whose DWARF does not fit
 //! is named from its symbol tables alone.
 //!
 //! blazesym parses whatever ELF and DWARF a binary carries; fuzzing found inputs on
@@ -76,7 +76,8 @@ pub struct Limits {
     /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
     /// or its separate debug file's) whose parsed state is held at once. Past it the
     /// least recently used binary's parse is dropped (its frames already named stay
-    /// cached), never one needed in the last two rounds. A binary whose tables and DWARF together are larger is named from its
+    /// cached), not one needed in the last two rounds while the newcomer fits within
+    /// 1.5 times this beside it (then parsed for its round alone). A binary whose tables and DWARF together are larger is named from its
     /// symbol tables only: functions, no file:line and no inline frames; one whose
     /// symbol tables alone are larger is parsed for the round and dropped at once.
     pub budget_bytes: u64,
@@ -322,29 +323,27 @@ impl Symbolizer {
 
     /// Drops the parses of the least recently used binaries until `need` more bytes
     /// fit the budget (never `keep`'s), and says whether they fit. A parse needed in
-    /// this round or the last is not dropped: when the binaries in use do not all fit,
-    /// dropping one of them only makes it parse again a round later and drop another
-    /// (each reparse of compressed DWARF costs milliseconds). The newcomer is then
-    /// parsed for this round alone, and nothing is dropped.
+    /// this round or the last is spared while it can be: when the binaries in use do
+    /// not all fit, dropping one of them only makes it parse again a round later and
+    /// drop another (each reparse of compressed DWARF costs milliseconds). The
+    /// newcomer is then parsed for this round alone and nothing is dropped, as long as
+    /// the parses held with it stay within 1.5 times the budget; past that, memory
+    /// wins and the least recently used go, needed or not.
     fn make_room(&mut self, need: u64, keep: &BinaryId) -> bool {
         let budget = self.limits.budget_bytes;
         if self.bytes_held + need <= budget {
             return true;
         }
-        let mut victims = Vec::new();
-        let mut freed = 0;
-        for (id, b) in self.binaries.iter().rev() {
-            if self.bytes_held - freed + need <= budget {
-                break;
-            }
-            if b.held && id != keep && b.needed + 1 < self.round {
-                freed += b.cost;
-                victims.push(id.clone());
-            }
-        }
-        if self.bytes_held - freed + need > budget {
+        let over = self.bytes_held + need > budget.saturating_add(budget / 2);
+        let Some(victims) = self
+            .victims(need, keep, |b, round| b.needed + 1 < round)
+            .or_else(|| {
+                over.then(|| self.victims(need, keep, |_, _| true))
+                    .flatten()
+            })
+        else {
             return false;
-        }
+        };
         for id in victims {
             let Some(b) = self.binaries.peek_mut(&id) else {
                 continue;
@@ -357,6 +356,29 @@ impl Symbolizer {
             Metrics::inc(&self.metrics.symbol_parses_dropped);
         }
         true
+    }
+
+    /// The held parses to drop, least recently used first, so that `need` more bytes
+    /// fit the budget, among those `may` allows; None if they are not enough.
+    fn victims(
+        &self,
+        need: u64,
+        keep: &BinaryId,
+        may: impl Fn(&Loaded, u64) -> bool,
+    ) -> Option<Vec<BinaryId>> {
+        let budget = self.limits.budget_bytes;
+        let mut victims = Vec::new();
+        let mut freed = 0;
+        for (id, b) in self.binaries.iter().rev() {
+            if self.bytes_held - freed + need <= budget {
+                break;
+            }
+            if b.held && id != keep && may(b, self.round) {
+                freed += b.cost;
+                victims.push(id.clone());
+            }
+        }
+        (self.bytes_held - freed + need <= budget).then_some(victims)
     }
 
     /// Lines for each file offset (None: no symbol covers it).
