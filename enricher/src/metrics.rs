@@ -110,7 +110,7 @@ metrics! {
     symbol_frames_evicted: "named frames evicted from the frame cache (--symbol-frames)",
     symbol_parses_dropped: "binaries whose parsed symbols and DWARF were dropped to stay within --symbol-budget",
     symbol_reparses: "binaries parsed again after being dropped for room",
-    symbol_parses_transient: "parses dropped after their round: symbol tables alone over --symbol-budget, or no room beside the parses needed in the last two rounds",
+    symbol_parses_transient: "parses of binaries whose symbol tables alone exceed --symbol-budget (dropped after the round)",
     binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binary_load_errors: "binaries whose ELF could not be read",
     binaries_replaced_by_unstripped: "cached stripped binaries replaced by a copy with the same build id and a symbol table",

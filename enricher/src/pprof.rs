@@ -2,6 +2,7 @@
 //! the types the `pprof` crate generates, so the tree has one prost).
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::sync::Arc;
 
 use crate::model::{Frame, LabelSet, MappingSpec, StackSample};
@@ -281,49 +282,15 @@ impl Builder {
     }
 }
 
-thread_local! {
-    /// One deflate state per thread, reset between profiles: a new one allocates and
-    /// clears a few hundred KiB, which at rest was most of a round's encoding cost.
-    static DEFLATE: std::cell::RefCell<Option<flate2::Compress>> = const { std::cell::RefCell::new(None) };
-}
-
 /// pprof bytes, gzip-compressed (what `go tool pprof` and Parca read).
 pub fn encode_gz(p: &Profile) -> std::io::Result<Vec<u8>> {
-    gzip(&p.encode_to_vec())
-}
-
-/// A gzip member (RFC 1952) of `raw`: header, raw deflate, CRC-32 and length.
-fn gzip(raw: &[u8]) -> std::io::Result<Vec<u8>> {
-    // ID1 ID2 CM=deflate FLG=0 MTIME=0 XFL=4 (fastest) OS=255 (unknown).
-    let mut out = Vec::with_capacity(raw.len() / 3 + 64);
-    out.extend_from_slice(&[0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 4, 255]);
-    DEFLATE.with(|cell| {
-        let mut cell = cell.borrow_mut();
-        let d =
-            cell.get_or_insert_with(|| flate2::Compress::new(flate2::Compression::fast(), false));
-        d.reset();
-        loop {
-            let done = d.total_in() as usize;
-            if out.len() == out.capacity() {
-                out.reserve(out.capacity().max(4096));
-            }
-            let status = d
-                .compress_vec(
-                    &raw[done.min(raw.len())..],
-                    &mut out,
-                    flate2::FlushCompress::Finish,
-                )
-                .map_err(std::io::Error::other)?;
-            if status == flate2::Status::StreamEnd {
-                return Ok::<_, std::io::Error>(());
-            }
-        }
-    })?;
-    let mut crc = flate2::Crc::new();
-    crc.update(raw);
-    out.extend_from_slice(&crc.sum().to_le_bytes());
-    out.extend_from_slice(&(raw.len() as u32).to_le_bytes());
-    Ok(out)
+    let raw = p.encode_to_vec();
+    let mut gz = flate2::write::GzEncoder::new(
+        Vec::with_capacity(raw.len() / 3),
+        flate2::Compression::fast(),
+    );
+    gz.write_all(&raw)?;
+    gz.finish()
 }
 
 /// Total samples (first value) of a profile.
@@ -337,31 +304,6 @@ pub(crate) fn sample_count(p: &Profile) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The reused deflate state makes gzip members any reader takes, one after another,
-    /// whatever their size (empty, one block, many blocks).
-    #[test]
-    fn gzip_members_read_back() {
-        use std::io::Read;
-        let mut big = Vec::new();
-        for i in 0u32..300_000 {
-            big.extend_from_slice(&(i.wrapping_mul(2_654_435_761) >> 7).to_le_bytes());
-        }
-        for raw in [
-            Vec::new(),
-            b"firn".to_vec(),
-            big.clone(),
-            b"again".to_vec(),
-            big,
-        ] {
-            let gz = gzip(&raw).unwrap();
-            let mut back = Vec::new();
-            flate2::read::GzDecoder::new(&gz[..])
-                .read_to_end(&mut back)
-                .unwrap();
-            assert_eq!(back, raw);
-        }
-    }
 
     fn stack(count: u64, off_cpu_ns: u64) -> StackSample {
         StackSample {

@@ -41,7 +41,6 @@ impl Enricher {
 
     /// Every user frame the cache can name, named: (binary, file offset) → lines.
     pub(super) fn symbolize(&mut self, batch: &Batch) -> Resolved {
-        self.symbolizer.next_round();
         let mut wanted: HashMap<BinaryId, Vec<u64>> = HashMap::new();
         for s in &batch.samples {
             let Some(e) = self.processes.get(s.process_id) else {

@@ -133,8 +133,7 @@ pub(crate) struct Settings {
     /// debug sections, a binary's own or its separate debug file's). Parsed symbols
     /// are most of the enricher's memory: its RSS grows by about 1.5 times this. Past
     /// it the least recently used binary's parse is dropped (frames already named stay
-    /// cached), unless it was needed in the last two rounds: then the newcomer is parsed
-    /// for its round alone, while all held stays within 1.5 times this. A binary whose DWARF does not fit, such as firn's own, is named from its
+    /// cached). A binary whose DWARF does not fit, such as firn's own, is named from its
     /// symbol tables: function names without file:line or inline frames. 0 keeps
     /// nothing parsed between rounds.
     #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
