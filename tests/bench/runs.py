@@ -241,11 +241,11 @@ class ChurnFirn(Firn):
             os.makedirs(self.cache_dir, exist_ok=True)
             os.chown(self.cache_dir, plan["user"][0], plan["user"][1])
 
-    def start(self, hz, enricher_extra=(), sampler_binary=None):
+    def start(self, hz, enricher_extra=(), sampler_binary=None, enricher_binary=None):
         extra = list(enricher_extra)
         if self.cache_dir:
             extra += ["--unwind-cache-dir", str(self.cache_dir), "--unwind-cache-size", "128MiB"]
-        super().start(hz, extra, sampler_binary)
+        super().start(hz, extra, sampler_binary, enricher_binary)
 
     def stop(self, workload_pid=None, settle=True):
         time.sleep(self.rnd + 2)
@@ -260,10 +260,10 @@ class ChurnFirn(Firn):
         return super().stop(workload_pid, settle=False)
 
 
-def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20, sampler_binary=None):
+def scale_churn(out, exes, seconds, rate, hz, rnd, label, ms=20, sampler_binary=None, enricher_binary=None):
     log(f"scale: {label}: {rate}/s × {ms} ms over {len(exes)} executable(s) for {seconds} s, firn at {hz} Hz …")
     f = ChurnFirn(rnd, out / "unwind-cache")
-    f.start(hz, sampler_binary=sampler_binary)
+    f.start(hz, sampler_binary=sampler_binary, enricher_binary=enricher_binary)
     # The sampler's cost at rest, to take out of its cost under churn.
     s0, t_rest = proc_cpu(f.sampler.pid), time.time()
     time.sleep(5)
