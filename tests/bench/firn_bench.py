@@ -273,14 +273,14 @@ def upload_table(rows):
     return "\n".join(out)
 
 
-def window(rs):
-    """What happened during each run's window (older suite.json rows lack it)."""
+def window_events(rs):
+    """What happened during each run's window, a run per line (older suite.json rows lack it)."""
     keys = ("window_new_processes", "window_tables_built", "window_symbol_parses")
     return "<br>".join("/".join(f"{r[k]:.0f}" if k in r else "–" for k in keys) for r in rs)
 
 
 def rest_table(rows):
-    """Medians over repetitions per (state, Hz), against issue #14's targets."""
+    """Medians over repetitions per (state, Hz), against issue #31's targets (#14's for busy)."""
     targets = {("idle", 99): (0.15, 0.3, None), ("idle", 19): (0.075, 0.15, None),
                ("busy", 99): (None, None, 2.0)}
     out = ["Targets (#31, after #14's): idle at 99 Hz sampler ≤ 0.15 and enricher ≤ 0.3 ms/s, at 19 Hz "
@@ -318,7 +318,7 @@ def rest_table(rows):
                    f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('kernel_memory_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('rows_loaded'), '{:,.0f}')}, {bl.fmt(med('table_ns_per_row'), '{:.1f}')} | "
-                   f"{window(rs)} |")
+                   f"{window_events(rs)} |")
     return "\n".join(out)
 
 

@@ -88,7 +88,8 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     time.sleep(max(0.0, warm - (time.time() - f.t0)))
     s, e = f.pids()
     # Counters before the window (fetched outside it): what happened in it, such as new
-    # processes whose tables are built, explains a window's cost.
+    # processes whose tables are built, explains a window's cost. The sampler's counters
+    # come with its batches, so they lag the enricher's by up to a round.
     m0 = f.metrics()
     c0, t0 = {p: proc_cpu(p) for p in (s, e)}, time.time()
     points = []
