@@ -67,9 +67,18 @@ fn relabel_drop_removes_profiles_and_counts() {
     let pid = w.pid();
     w.wait_exit(20 * SECS).unwrap();
     std::thread::sleep(5 * SECS);
+    // busy's own samples are all dropped. The child may have been sampled between fork and
+    // exec (more likely on a loaded machine): that program is the test binary, not busy,
+    // so its few samples are kept under the spawning thread's comm.
+    let kept: Vec<Value> = index_records(&f.out)
+        .into_iter()
+        .map(|(_, e)| e)
+        .filter(|e| e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()))
+        .collect();
+    let samples: u64 = kept.iter().filter_map(|e| e["samples"].as_u64()).sum();
     assert!(
-        f.profiles_of(pid).is_empty(),
-        "a dropped process still has profiles"
+        kept.iter().all(|e| e["labels"]["comm"] != "busy") && samples <= 10,
+        "a dropped process still has profiles: {kept:?}"
     );
     assert!(
         f.metric("firn_enricher_processes_dropped_by_relabel_total")
