@@ -344,7 +344,8 @@ impl Symbolizer {
         if bin.poisoned {
             return vec![None; offsets.len()];
         }
-        let (serial, path, dwarf, cost) = (bin.serial, bin.path.clone(), bin.dwarf, bin.cost);
+        let (serial, path, dwarf, cost, held) =
+            (bin.serial, bin.path.clone(), bin.dwarf, bin.cost, bin.held);
         let mut misses: Vec<u64> = offsets
             .iter()
             .copied()
@@ -361,8 +362,9 @@ impl Symbolizer {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
             if cost <= self.limits.budget_bytes {
                 // (A parse larger than the whole budget is dropped right after; making
-                // room for it would only make the others parse again.)
-                self.make_room(cost, id);
+                // room for it would only make the others parse again.) A parse held
+                // already is counted in the bytes held: it needs no more room.
+                self.make_room(if held { 0 } else { cost }, id);
             }
             let mut elf = Elf::new(path.clone());
             elf.debug_syms = dwarf;
@@ -423,154 +425,4 @@ impl Symbolizer {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every input the symbolize_elf fuzz target ever crashed on: a panic inside
-    /// blazesym is contained, counted, and poisons only that binary.
-    #[test]
-    fn fuzz_regressions_are_contained() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../fuzz/regressions/symbolize_elf");
-        let metrics = Arc::new(Metrics::default());
-        let mut inputs = 0;
-        for entry in std::fs::read_dir(&dir).unwrap().flatten() {
-            inputs += 1;
-            let limits = Limits {
-                binaries: 2,
-                ..Limits::default()
-            };
-            let mut sym = Symbolizer::new(limits, metrics.clone());
-            let file = std::fs::File::open(entry.path()).unwrap();
-            let Ok(id) = sym.load(file.into()) else {
-                continue;
-            };
-            let len = entry.metadata().unwrap().len();
-            let offsets: Vec<u64> = (0..64u64).map(|i| i * (len / 48 + 1)).collect();
-            assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
-            // A poisoned binary answers without parsing again.
-            assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
-        }
-        assert!(inputs > 0, "no regression inputs under {}", dir.display());
-        assert!(
-            metrics
-                .symbolizer_panics
-                .load(std::sync::atomic::Ordering::Relaxed)
-                >= 1,
-            "the known blazesym panic was not met (fixed upstream? then this input is just a regression)"
-        );
-    }
-
-    /// File offset of code in this test binary.
-    fn own_offset(addr: usize) -> u64 {
-        let exe = std::fs::read_link("/proc/self/exe").unwrap();
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        for line in maps.lines() {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 6 || std::path::Path::new(f[5]) != exe {
-                continue;
-            }
-            let (a, b) = f[0].split_once('-').unwrap();
-            let (start, end) = (
-                usize::from_str_radix(a, 16).unwrap(),
-                usize::from_str_radix(b, 16).unwrap(),
-            );
-            if (start..end).contains(&addr) {
-                return (addr - start) as u64 + u64::from_str_radix(f[2], 16).unwrap();
-            }
-        }
-        panic!("{addr:#x} not in {}", exe.display());
-    }
-
-    #[inline(never)]
-    fn marker_function() -> u64 {
-        std::hint::black_box(42)
-    }
-
-    fn symbolize_self(budget_bytes: u64) -> (Option<Lines>, Symbolizer, Arc<Metrics>) {
-        let metrics = Arc::new(Metrics::default());
-        let limits = Limits {
-            budget_bytes,
-            ..Limits::default()
-        };
-        let mut sym = Symbolizer::new(limits, metrics.clone());
-        let id = sym
-            .load(std::fs::File::open("/proc/self/exe").unwrap().into())
-            .unwrap();
-        marker_function();
-        let off = own_offset(marker_function as *const () as usize);
-        let lines = sym.symbolize(&id, &[off]).remove(0);
-        (lines, sym, metrics)
-    }
-
-    #[test]
-    fn within_the_budget_frames_have_lines_and_the_parse_is_held() {
-        let (lines, sym, _) = symbolize_self(u64::MAX);
-        let lines = lines.expect("named");
-        assert!(lines.last().unwrap().function.contains("marker_function"));
-        assert!(lines
-            .iter()
-            .any(|l| l.file.ends_with("mod.rs") && l.line > 0));
-        assert!(sym.bytes_held() > 0);
-    }
-
-    #[test]
-    fn over_the_budget_frames_are_named_from_the_symbol_table_and_nothing_is_held() {
-        let (lines, sym, metrics) = symbolize_self(0);
-        let lines = lines.expect("named from .symtab");
-        assert_eq!(lines.len(), 1, "no inline frames without DWARF");
-        assert!(lines[0].function.contains("marker_function"));
-        assert_eq!(&*lines[0].file, "");
-        assert_eq!(sym.bytes_held(), 0);
-        let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(n(&metrics.binaries_over_symbol_budget), 1);
-        assert_eq!(n(&metrics.symbol_parses_transient), 1);
-    }
-
-    #[test]
-    fn an_unstripped_copy_replaces_a_stripped_one_with_its_build_id() {
-        let stripped = std::env::temp_dir().join(format!("firn-stripped-{}", std::process::id()));
-        let ok = std::process::Command::new("strip")
-            .args(["--strip-all", "-o"])
-            .arg(&stripped)
-            // Not /proc/self/exe: strip would read itself.
-            .arg(std::env::current_exe().unwrap())
-            .status()
-            .expect("strip (binutils)");
-        assert!(ok.success());
-        let metrics = Arc::new(Metrics::default());
-        let mut sym = Symbolizer::new(Limits::default(), metrics.clone());
-        let id = sym
-            .load(std::fs::File::open(&stripped).unwrap().into())
-            .unwrap();
-        assert_eq!(sym.stripped(&id), Some(true));
-        let again = sym
-            .load(std::fs::File::open("/proc/self/exe").unwrap().into())
-            .unwrap();
-        assert_eq!(id, again, "same build id");
-        assert_eq!(
-            sym.stripped(&id),
-            Some(false),
-            "the copy with .symtab serves"
-        );
-        marker_function();
-        let off = own_offset(marker_function as *const () as usize);
-        let lines = sym.symbolize(&id, &[off]).remove(0).expect("named");
-        assert!(lines.last().unwrap().function.contains("marker_function"));
-        // A stripped copy arriving later does not replace it.
-        sym.load(std::fs::File::open(&stripped).unwrap().into())
-            .unwrap();
-        assert_eq!(sym.stripped(&id), Some(false));
-        let _ = std::fs::remove_file(&stripped);
-    }
-
-    #[test]
-    fn symtab_detection() {
-        let me = std::fs::File::open("/proc/self/exe").unwrap();
-        let facts = super::elf_facts(me).unwrap();
-        assert!(facts.symtab);
-        assert!(facts.debug_bytes > 0, "test binaries carry DWARF");
-        let text = std::fs::File::open("/proc/self/status").unwrap();
-        assert!(super::elf_facts(text).is_none());
-    }
-}
+mod tests;
