@@ -187,6 +187,9 @@ impl Plan {
 /// walking a live process's paths (for tests of that walk's checks).
 pub const WALK_ONLY: &[&str] = &["--binary-handles", "0"];
 
+/// The row pool of test samplers: 8 Mi rows, 64 MiB (why: `Firn::start_under_lazy`).
+const TEST_POOL_ROWS: &str = "8388608";
+
 pub struct Firn {
     pub dir: TempDir,
     pub sampler: Proc,
@@ -236,7 +239,17 @@ impl Firn {
     /// The sampler only; the enricher is the caller's to start.
     fn start_under_lazy(tag: &str, wrapper: &[&str], sampler_args: &[&str]) -> Firn {
         let dir = TempDir::new(tag);
-        let plan = Plan::prepare(dir.path(), "firn-test", sampler_args);
+        // tests/run.sh builds the fuzz targets beside these tests; the toolchain it keeps
+        // live (cc1 0.48 M rows, cargo 0.42 M, the linker plugin's libLLVM and libz3 about
+        // 1.3 M) can fill the default pool of 2 Mi rows, and a test's new binaries are
+        // then refused room until the enricher retries, rounds after the workload ended
+        // (CI failed so once). Tests size the pool for that machine; the default is the
+        // product's, measured by the benchmarks through `firn-plan`, which keep it.
+        let mut args: Vec<&str> = sampler_args.to_vec();
+        if !args.iter().any(|a| a.starts_with("--unwind-rows")) {
+            args.extend(["--unwind-rows", TEST_POOL_ROWS]);
+        }
+        let plan = Plan::prepare(dir.path(), "firn-test", &args);
         let sampler = spawn_sampler(wrapper, &plan.sampler);
         Firn {
             socket: plan.socket.clone(),

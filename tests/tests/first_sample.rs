@@ -116,6 +116,12 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
         s * 100.0
     );
     assert!(n >= 150 && s >= 0.95, "Go {s:.3} of {n}");
+    let m = |k: &str| f.metric(k).unwrap_or(0.0);
+    eprintln!(
+        "row pool: {} rows in use; tables refused for room or size: {}",
+        m("firn_sampler_unwind_rows_in_use"),
+        m("firn_sampler_unwind_tables_refused_budget")
+    );
     let mut files = f.profiles_of(pids[3]);
     files.sort();
     let t = line_traces(&files);
@@ -138,7 +144,6 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
     assert!(n >= 150 && s >= 0.90, "python3 {s:.3} of {n}");
 
     // From a binary's first sample to its table in the sampler, on /metrics.
-    let m = |k: &str| f.metric(k).unwrap_or(0.0);
     let count = m("firn_enricher_unwind_table_ready_seconds_count");
     let quick = m("firn_enricher_unwind_table_ready_seconds_bucket{le=\"0.25\"}");
     let fast = m("firn_enricher_unwind_table_ready_seconds_bucket{le=\"0.05\"}");
