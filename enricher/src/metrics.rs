@@ -26,6 +26,8 @@ macro_rules! metrics {
             pub(crate) symbol_frames_cached: AtomicU64,
             /// The Landlock ABI of the enricher's confinement (gauge; 0: none).
             pub(crate) landlock_abi: AtomicU64,
+            /// Bytes the `/pprof/cpu` window holds, as counted for its bound (gauge).
+            pub(crate) window_bytes: AtomicU64,
             /// Bytes and entries of the on-disk unwind table cache (gauges).
             pub(crate) unwind_cache_bytes: AtomicU64,
             pub(crate) unwind_cache_entries: AtomicU64,
@@ -55,6 +57,7 @@ macro_rules! metrics {
                     ("kubernetes_pods", "Pods of this node known from the Kubernetes API.", &self.kubernetes_pods),
                     ("symbol_bytes_held", "Bytes of symbol tables and DWARF whose parse the symbolizer holds (bounded by --symbol-budget).", &self.symbol_bytes_held),
                     ("symbol_frames_cached", "Named frames in the frame cache (bounded by --symbol-frames).", &self.symbol_frames_cached),
+                    ("window_bytes", "Bytes of stacks, labels and mappings the /pprof/cpu window holds (bounded at 8 MiB).", &self.window_bytes),
                     ("landlock_abi", "The Landlock ABI the enricher confined itself with (0: none, or --unconfined).", &self.landlock_abi),
                     ("unwind_cache_bytes", "Bytes of the on-disk unwind table cache (bounded by --unwind-cache-size).", &self.unwind_cache_bytes),
                     ("unwind_cache_entries", "Unwind tables in the on-disk cache.", &self.unwind_cache_entries),

@@ -116,6 +116,8 @@ pub struct Enricher {
     pub(crate) python: python::Python,
     /// Bytes of unwind tables built or read since last taken (when to trim the heap).
     table_bytes: u64,
+    /// Mapping paths and build ids, one copy each.
+    names: stacks::Names,
 }
 
 fn dev_of(m: &crate::batch::Mapping) -> u64 {
@@ -136,6 +138,7 @@ impl Enricher {
             main_comms: std::collections::HashMap::new(),
             python: python::Python::default(),
             table_bytes: 0,
+            names: stacks::Names::default(),
         }
     }
 

@@ -16,6 +16,39 @@ use crate::symbolize::hex;
 /// What the symbolizer named: (binary, file offset) → lines (None: no symbol).
 pub(super) type Resolved = HashMap<(BinaryId, u64), Option<Lines>>;
 
+/// Mapping paths and build ids shared between the mappings of every process and round:
+/// the `/pprof/cpu` window holds many rounds, and under churn each short-lived
+/// process's mappings would otherwise carry copies of the same few texts.
+#[derive(Default)]
+pub(crate) struct Names(std::cell::RefCell<NameSet>);
+
+#[derive(Default)]
+struct NameSet {
+    set: std::collections::HashSet<Arc<str>>,
+    bytes: usize,
+}
+
+/// Bytes of text [`Names`] keeps at most (paths come from processes, up to 4 KiB each);
+/// past it, it starts again (copies already shared stay valid).
+const MAX_NAME_BYTES: usize = 1 << 20;
+
+impl Names {
+    pub(crate) fn get(&self, text: &str) -> Arc<str> {
+        let mut n = self.0.borrow_mut();
+        if let Some(t) = n.set.get(text) {
+            return t.clone();
+        }
+        if n.bytes + text.len() > MAX_NAME_BYTES {
+            n.set.clear();
+            n.bytes = 0;
+        }
+        n.bytes += text.len();
+        let t: Arc<str> = Arc::from(text);
+        n.set.insert(t.clone());
+        t
+    }
+}
+
 impl Enricher {
     /// Build id (hex) and strippedness of the process's main executable, once its
     /// binary is loaded.
@@ -249,18 +282,16 @@ impl Enricher {
         let spec = mappings
             .entry((process_id, idx))
             .or_insert_with(|| {
+                let build_id = known
+                    .and_then(|id| self.symbolizer.build_id(id))
+                    .map(hex)
+                    .unwrap_or_default();
                 Arc::new(MappingSpec {
                     start: mp.start,
                     limit: mp.end,
                     offset: mp.file_offset,
-                    file: Arc::from(mp.path.as_str()),
-                    build_id: Arc::from(
-                        known
-                            .and_then(|id| self.symbolizer.build_id(id))
-                            .map(hex)
-                            .unwrap_or_default()
-                            .as_str(),
-                    ),
+                    file: self.names.get(&mp.path),
+                    build_id: self.names.get(&build_id),
                     symbolized: known.is_some(),
                 })
             })
@@ -344,5 +375,25 @@ mod cgroup_line_tests {
         assert_eq!(w("0::/old\n", "0::/new\n").as_deref(), Some("0::/new\n"));
         assert_eq!(w("", "0::/new\n").as_deref(), Some("0::/new\n"));
         assert_eq!(w("1:name=systemd:/\n", "0::/new\n"), None);
+    }
+}
+
+#[cfg(test)]
+mod names_tests {
+    use super::{Names, MAX_NAME_BYTES};
+
+    #[test]
+    fn one_copy_per_text_and_a_bounded_set() {
+        let names = Names::default();
+        let a = names.get("/usr/lib/x86_64-linux-gnu/libc.so.6");
+        let b = names.get("/usr/lib/x86_64-linux-gnu/libc.so.6");
+        assert!(std::sync::Arc::ptr_eq(&a, &b));
+        let long = "x".repeat(4096);
+        for i in 0..(2 * MAX_NAME_BYTES / 4096) {
+            names.get(&format!("{long}{i}"));
+        }
+        assert!(names.0.borrow().bytes <= MAX_NAME_BYTES);
+        // A copy handed out before the set started again stays whole.
+        assert_eq!(&*a, "/usr/lib/x86_64-linux-gnu/libc.so.6");
     }
 }

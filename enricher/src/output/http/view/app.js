@@ -118,7 +118,7 @@ function draw() {
         (v.mode === "wall" ? ` (${(100 * v.off_total / (v.total || 1)).toFixed(1)} % off CPU)` : "") +
         (v.mode !== "cpu" && !v.off_cpu ? " — " + NO_OFF_CPU : "") +
         (secs > 0 ? ` (${Math.round(secs)} s)` : "") +
-        (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks are kept)" : "") +
+        (v.shortened ? " — the window reaches back less than asked (at most 20,000 stacks and 8 MiB are kept)" : "") +
         (v.cut_short ? ` — ${v.cut_short} stacks too varied for the flame graph's bound end early` : "");
     drawMode();
     drawFilters();

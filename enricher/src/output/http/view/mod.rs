@@ -1,6 +1,6 @@
 //! The local web view: a page at `/` (HTML, script and style embedded in the binary, so
 //! it works offline) and the one JSON query it makes, `/api/view`, answered from the
-//! bounded window `/pprof/cpu` keeps (the last hour, at most 20,000 stacks).
+//! bounded window `/pprof/cpu` keeps (the last hour, at most 20,000 stacks and 8 MiB).
 //!
 //! `/api/view?minutes=N[&mode=cpu|off|wall][&label=value…]` gives, for the window and
 //! the filter: the merged call tree (flame graph; nodes under 1/5,000 of the total fold
@@ -51,7 +51,7 @@ const MAX_NODES: usize = 400_000;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ViewError {
-    #[error("minutes must be one of 1, 5, 15 or 60 (the enricher keeps the last hour, at most 20,000 stacks); got {0:?}")]
+    #[error("minutes must be one of 1, 5, 15 or 60 (the enricher keeps the last hour, at most 20,000 stacks and 8 MiB); got {0:?}")]
     Window(String),
     #[error(
         "unknown filter {0:?}: filter by comm, executable, container_id, systemd_unit, pod or pid"
