@@ -196,8 +196,9 @@ pub(crate) fn router(state: Arc<Shared>, access: Arc<Access>) -> Router {
 
 /// The heap a round holds beyond what it shares with the symbolizer (whose named lines
 /// are bounded by `--symbol-frames`): its stacks and frames, and each label set,
-/// mapping and mapping text once however many stacks share it. An estimate (allocator overhead as one
-/// word an allocation), the same each time it is taken of a round.
+/// mapping and mapping text once however many stacks share it. An estimate (allocator
+/// overhead as two words an allocation), the same each time it is taken of a round, so
+/// that what a round added on entry is what it takes away when it leaves.
 pub(crate) fn round_bytes(round: &Round) -> usize {
     use crate::model::{Frame, MappingSpec, StackSample};
     use std::collections::HashSet;
