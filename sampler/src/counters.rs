@@ -130,6 +130,7 @@ counters! {
     handshake_timeouts: "connections that sent nothing in time (closed)",
     bpf_unwind_table_frames: "user frames the BPF unwinder walked with a table row",
     bpf_unwind_fp_frames: "user frames the BPF unwinder walked by frame pointers (no row for the pc)",
+    bpf_unwind_stack_windows: "reads of the user stack by the BPF unwinder: each copies up to 512 bytes that serve the frames within them",
     bpf_unwind_end_complete: "user stacks ended at an outermost frame (a row said so)",
     bpf_unwind_end_no_process: "user stacks cut after the leaf: the process's mappings were not in the map yet",
     bpf_unwind_end_no_mapping: "user stacks ended by frame pointers in anonymous executable code (JIT, vDSO)",

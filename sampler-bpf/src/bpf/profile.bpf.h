@@ -44,7 +44,8 @@ enum firn_counter {
 	FIRN_CTR_OFF_NS = 32,          /* off-CPU nanoseconds counted (weighted) */
 	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
 	FIRN_CTR_OFF_WEIGHT = 34,      /* switches the taken ones stand for (the sum of their N) */
-	FIRN_CTR_MAX = 35,
+	FIRN_CTR_STACK_WINDOWS = 35,   /* windows of user stack read by the native walk */
+	FIRN_CTR_MAX = 36,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the

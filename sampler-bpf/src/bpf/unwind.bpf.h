@@ -16,6 +16,10 @@
  * an address above 47 bits is then only cut short, never wrong). */
 #define USER_SPACE_END (1ULL << 47)
 
+/* Bytes of the process's stack read at once (a power of two): the walk's reads of a
+ * frame and of its next callers mostly lie within it, so one helper call serves them. */
+#define FIRN_STACK_WINDOW 512
+
 /* Entries of the per-CPU memo of stored user stacks (a power of two). */
 #define FIRN_STORED_MEMO 16
 /* Entries of the per-CPU memo of resolved mappings (a power of two): a native stack
@@ -63,6 +67,14 @@ struct firn_unwind_state {
 	__u64 c_offset;
 	__u32 c_first;
 	__u32 c_count;
+	/* A copy of the stack from win_base up, win_len bytes (0: none), read in this walk
+	 * (read_stack). Never leaves BPF: the walk takes from it the words it would have
+	 * read one by one, and no others. */
+	__u64 win_base;
+	__u32 win_len;
+	__u16 win_reads;           /* windows this walk read, counted once */
+	__u16 win_pad;
+	__u64 win[FIRN_STACK_WINDOW / 8];
 	/* The Python walk (python.bpf.h). */
 	__u32 tid;
 	__u8 py_state;             /* enum firn_py_state */
@@ -163,6 +175,41 @@ static __always_inline int read_user(__u64 *dst, __u64 addr)
 	return bpf_probe_read_user(dst, sizeof(*dst), (const void *)addr);
 }
 
+/* Reads a word of the stack being walked, as read_user does, through this walk's window:
+ * a word within it is taken from the copy; else a new window is read from `addr` up
+ * (FIRN_STACK_WINDOW bytes, or to the end of addr's page when the next page cannot be
+ * read: the top of the stack). Every caller checks `addr` exactly as it would for
+ * read_user; the window only saves helper calls. Bytes of the window the walk does not
+ * ask for are never used (DESIGN rule 9). */
+static __always_inline int read_stack(struct firn_unwind_state *st, __u64 *dst, __u64 addr)
+{
+	__u64 off = addr - st->win_base;
+	__u32 n;
+
+	if (addr & 7)
+		return -1;
+	/* win_len and off are whole words: off < win_len leaves room for this one. */
+	if (off < st->win_len) {
+		*dst = st->win[(off >> 3) & (FIRN_STACK_WINDOW / 8 - 1)];
+		return 0;
+	}
+	st->win_reads++;
+	st->win_base = addr;
+	st->win_len = FIRN_STACK_WINDOW;
+	if (bpf_probe_read_user(st->win, FIRN_STACK_WINDOW, (const void *)addr)) {
+		n = 4096 - (addr & 4095);
+		if (n >= FIRN_STACK_WINDOW ||
+		    bpf_probe_read_user(st->win, n & (FIRN_STACK_WINDOW - 8), (const void *)addr)) {
+			/* addr's own page cannot be read. */
+			st->win_len = 0;
+			return -1;
+		}
+		st->win_len = n & (FIRN_STACK_WINDOW - 8);
+	}
+	*dst = st->win[0];
+	return 0;
+}
+
 /* Whether `base` may serve as a frame's base: 8-byte aligned, at or above the stack
  * pointer and within one frame's reach of it. */
 static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
@@ -244,7 +291,7 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		st->end = why;
 		if (!st->bp_known || !in_frame(st->bp, sp, FIRN_MAX_FRAME_BYTES))
 			return 1;
-		if (read_user(&bp, st->bp) || read_user(&ra, st->bp + 8))
+		if (read_stack(st, &bp, st->bp) || read_stack(st, &ra, st->bp + 8))
 			return 1;
 		st->sp = st->bp + 16;
 		st->bp = bp;
@@ -277,8 +324,8 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		/* rt_sigframe: the ucontext is at rsp, its sigcontext 40 bytes in; rbp, rsp
 		 * and rip are its 11th, 16th and 17th words. The interrupted stack pointer
 		 * lies above the frame (a handler on an alternate stack ends the walk). */
-		if (read_user(&bp, sp + 40 + 80) || read_user(&cfa, sp + 40 + 120) ||
-		    read_user(&ra, sp + 40 + 128) || cfa <= sp ||
+		if (read_stack(st, &bp, sp + 40 + 80) || read_stack(st, &cfa, sp + 40 + 120) ||
+		    read_stack(st, &ra, sp + 40 + 128) || cfa <= sp ||
 		    !in_frame(cfa, sp, FIRN_MAX_SIGNAL_FRAME_BYTES)) {
 			st->end = FIRN_END_BAD_FRAME;
 			return 1;
@@ -299,7 +346,7 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 	}
 	/* The caller's frame lies above this one: its return address at CFA - 8, at or
 	 * above the stack pointer, and a saved rbp between the two. */
-	if (cfa <= sp || (cfa & 7) || read_user(&ra, cfa - 8)) {
+	if (cfa <= sp || (cfa & 7) || read_stack(st, &ra, cfa - 8)) {
 		st->end = FIRN_END_BAD_FRAME;
 		return 1;
 	}
@@ -309,7 +356,7 @@ static __always_inline long walk_step(struct firn_unwind_state *st)
 		/* Below the stack pointer lies dead stack, never read. A real row says so
 		 * only just after an epilogue's pop, when rbp already holds that value. */
 		if (slot >= sp) {
-			if (read_user(&bp, slot)) {
+			if (read_stack(st, &bp, slot)) {
 				st->end = FIRN_END_BAD_FRAME;
 				return 1;
 			}
@@ -398,6 +445,9 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	st->bp_known = 1;
 	st->exact_pc = 1;
 	st->fp_why = 0;
+	/* The window is this walk's: another process's stack is never read from it. */
+	st->win_len = 0;
+	st->win_reads = 0;
 	/* Seeded, and per process: equal frames of two processes are two stacks. */
 	st->hash = mix(mix(hash_seed ^ 0xcbf29ce484222325ULL,
 			   (__u64)key->tgid << 32 | key->exec_id), key->start_ns);
@@ -428,6 +478,8 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		add(FIRN_CTR_TABLE_FRAMES, st->table_frames);
 	if (st->fp_frames)
 		add(FIRN_CTR_FP_FRAMES, st->fp_frames);
+	if (st->win_reads)
+		add(FIRN_CTR_STACK_WINDOWS, st->win_reads);
 	if (steps >= FIRN_UNWIND_STEPS && !st->stopped && st->len < FIRN_MAX_STACK_DEPTH) {
 		/* Every step ran and none ended the walk. */
 		st->end = FIRN_END_DEPTH;
