@@ -8,7 +8,14 @@ the sampling window; a run is one sample.
   sudo python3 tests/bench/sampler_ab.py --a OLD/firn-sampler --b target/release/firn-sampler \\
       [--hz 99,999] [--runs 3] [--seconds 15]
 
-Prints, per workload and frequency, the median (min-max) of A and of B and B/A."""
+Prints, per workload and frequency, the median (min-max) of A and of B and B/A.
+
+With --together both samplers run at once over the same workload (each with its own
+enricher and HTTP port; the one started first alternates), so a run's two figures share
+the machine's state of that moment: on a VM whose per-sample cost drifts by 2x between
+runs, the ratio within a run is steadier than the ratio of two runs. Each sampler's
+programs are told apart by its pid; the two only share the workload's lines and the
+kernel's helper code, and which one's timer fires first in a period is random per run."""
 import argparse
 import os
 import subprocess
@@ -36,6 +43,31 @@ def one(binary, hz, exe, seconds):
     return (ns1 - ns0) / max(1, cnt1 - cnt0)
 
 
+def together(first, second, hz, exe, seconds):
+    """One run of both samplers at once: (ns/sample of first, of second)."""
+    runs = []
+    try:
+        for i, binary in enumerate((first, second)):
+            pr.HTTP = f"127.0.0.1:{17999 - i}"
+            f = pr.Firn(2)
+            runs.append(f)
+            f.start(hz, sampler_binary=binary)
+    finally:
+        pr.HTTP = "127.0.0.1:17999"
+    w = subprocess.Popen([str(exe), str(seconds + 4)], stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(2)
+        before = [pr.bpf_stats([f.sampler.pid]) for f in runs]
+        time.sleep(seconds)
+        after = [pr.bpf_stats([f.sampler.pid]) for f in runs]
+    finally:
+        w.kill()
+        w.wait()
+        for f in runs:
+            f.stop(settle=False)
+    return [(n1 - n0) / max(1, c1 - c0) for (n0, c0), (n1, c1) in zip(before, after)]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="the baseline sampler binary")
@@ -44,6 +76,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=int, default=15)
     ap.add_argument("--skip-build", action="store_true", help="take the workspace binaries as built")
+    ap.add_argument("--together", action="store_true",
+                    help="run A and B at once in each run (the ratio is then taken within each run)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("sampler_ab.py: run as root (the sampler loads BPF)")
@@ -55,13 +89,27 @@ def main():
         print("| workload | Hz | A ns/sample | B ns/sample | B/A |\n|---|---|---|---|---|")
         for name, exe in workloads.items():
             for hz in [int(h) for h in args.hz.split(",")]:
-                a, b = [], []
-                for _ in range(args.runs):
-                    a.append(one(args.a, hz, exe, args.seconds))
-                    b.append(one(args.b, hz, exe, args.seconds))
+                a, b, ratios = [], [], []
+                for run in range(args.runs):
+                    if args.together:
+                        # The one started first alternates from run to run.
+                        if run % 2 == 0:
+                            x, y = together(args.a, args.b, hz, exe, args.seconds)
+                        else:
+                            y, x = together(args.b, args.a, hz, exe, args.seconds)
+                        a.append(x)
+                        b.append(y)
+                        ratios.append(y / x)
+                    else:
+                        a.append(one(args.a, hz, exe, args.seconds))
+                        b.append(one(args.b, hz, exe, args.seconds))
                 (ma, la, ha), (mb, lb, hb) = bl.med(a), bl.med(b)
+                ratio = f"{mb / ma:.2f}"
+                if ratios:
+                    mr, lr, hr = bl.med(ratios)
+                    ratio = f"{mr:.2f} ({lr:.2f}–{hr:.2f}, within runs)"
                 print(f"| {name} | {hz} | {ma:,.0f} ({la:,.0f}–{ha:,.0f}) | {mb:,.0f} ({lb:,.0f}–{hb:,.0f}) "
-                      f"| {mb / ma:.2f} |", flush=True)
+                      f"| {ratio} |", flush=True)
     finally:
         open("/proc/sys/kernel/bpf_stats_enabled", "w").write(old)
 
