@@ -187,7 +187,9 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         unwind: sampling.unwind.clone(),
     });
     let rounds = Rounds::new(
-        ProcessTable::default().with_handles(handles),
+        ProcessTable::default()
+            .with_handles(handles)
+            .with_round_seconds(args.round),
         firn_schema::now_ns(),
     );
     let local = tokio::task::LocalSet::new();

@@ -22,8 +22,10 @@ const MAX_PROCESSES: usize = 32_768;
 const IDLE_ROUNDS: u64 = 6;
 /// Rounds a process's record outlives the round in which it exec'd or exited: that
 /// round carries its last samples, and the next gives a slow subscriber time to ask for
-/// its binaries.
+/// its binaries. Rounds of at least [`ENDED_GRACE_SECS`] give that time in one round,
+/// which under an exec storm holds a third fewer records (a round's worth).
 const ENDED_ROUNDS: u64 = 2;
+const ENDED_GRACE_SECS: u32 = 10;
 /// Longest wait, in rounds, between two mapping refreshes that changed nothing (JIT
 /// code and the vDSO lie outside every file mapping forever).
 const MAX_REFRESH_BACKOFF: u64 = 64;
@@ -123,6 +125,8 @@ pub(crate) struct ProcessTable {
     layouts: Layouts,
     /// Mapping reads that REMAP events may ask for.
     remap_reads: firn_logs::TokenBucket,
+    /// Rounds an ended process's record is kept after its own ([`ENDED_ROUNDS`]).
+    ended_rounds: u64,
 }
 
 impl Default for ProcessTable {
@@ -151,7 +155,19 @@ impl ProcessTable {
             cgroups: Cgroups::default(),
             layouts: Layouts::default(),
             remap_reads: firn_logs::TokenBucket::new(REMAP_READS_PER_SEC, REMAP_READS_BURST),
+            ended_rounds: ENDED_ROUNDS,
         }
+    }
+
+    /// Keeps ended processes' records for rounds of `seconds`: one round after their
+    /// own when that is at least [`ENDED_GRACE_SECS`], else [`ENDED_ROUNDS`].
+    pub(crate) fn with_round_seconds(mut self, seconds: u32) -> Self {
+        self.ended_rounds = if seconds >= ENDED_GRACE_SECS {
+            1
+        } else {
+            ENDED_ROUNDS
+        };
+        self
     }
 
     /// Takes handles of mapped files into `handles` (shared with the broker).
@@ -397,16 +413,17 @@ impl ProcessTable {
     }
 
     /// Forgets processes whose last samples have been sent: those that ended
-    /// [`ENDED_ROUNDS`] ago, and those not sampled for a while that have exited.
+    /// `ended_rounds` ago, and those not sampled for a while that have exited.
     /// Returns the ids forgotten, so subscribers can forget them too.
     pub(crate) fn sweep(&mut self, round: u64, counters: &Counters) -> Vec<u64> {
         let mut gone = Vec::new();
         let mut freed = 0;
         let unseen = &mut self.unseen;
         let dropped = &mut self.dropped;
+        let keep = self.ended_rounds;
         self.by_key.retain(|key, k| {
             match k.ended {
-                Some(at) if round >= at + ENDED_ROUNDS => {}
+                Some(at) if round >= at + keep => {}
                 Some(_) => return true,
                 None => {
                     if round.saturating_sub(k.last_seen) < IDLE_ROUNDS {

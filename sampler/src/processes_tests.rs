@@ -186,3 +186,25 @@ fn an_exec_is_a_new_process_and_ended_ones_go_after_their_rounds() {
         "the BPF side forgot them itself"
     );
 }
+
+#[test]
+fn rounds_of_ten_seconds_keep_an_ended_process_one_round_after_its_own() {
+    let c = Counters::default();
+    for (seconds, forgotten_at) in [(10, 2), (60, 2), (9, 3), (2, 3)] {
+        let mut t = ProcessTable::with_budgets(0, MAX_TABLE_BYTES).with_round_seconds(seconds);
+        let k = key(u32::MAX - 1, 4);
+        let id = t.observe(k, b"sh", (&[], false), 1, &c);
+        t.ended(k, Ending::Exit, 1);
+        assert!(
+            t.sweep(1, &c).is_empty(),
+            "its last samples go out in round 1"
+        );
+        for round in 2..forgotten_at {
+            assert!(
+                t.sweep(round, &c).is_empty(),
+                "{seconds} s rounds: kept in {round}"
+            );
+        }
+        assert_eq!(t.sweep(forgotten_at, &c), vec![id], "{seconds} s rounds");
+    }
+}
