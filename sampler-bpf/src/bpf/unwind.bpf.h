@@ -7,7 +7,9 @@
  * file's CFI and checked by the sampler) gives the rule for the caller's stack pointer,
  * return address and rbp. Where there is no row the frame is walked by frame pointers.
  * Every frame above the leaf must lie in an executable mapping of the process, and every
- * read lies in a bounded window above the frame's stack pointer (DESIGN rule 9).
+ * word the walk uses lies in a bounded window above the frame's stack pointer (DESIGN
+ * rule 9); the stack is copied in windows of FIRN_STACK_WINDOW bytes around such words
+ * (read_stack), never below the stack pointer.
  */
 #ifndef FIRN_UNWIND_BPF_H
 #define FIRN_UNWIND_BPF_H
@@ -19,6 +21,12 @@
 /* Bytes of the process's stack read at once (a power of two): the walk's reads of a
  * frame and of its next callers mostly lie within it, so one helper call serves them. */
 #define FIRN_STACK_WINDOW 512
+/* Bytes a new window starts below the word asked for, where the frame allows: a table
+ * frame reads its return address at CFA - 8 first and its saved rbp just below. */
+#define FIRN_STACK_WINDOW_BELOW 64
+_Static_assert((FIRN_STACK_WINDOW & (FIRN_STACK_WINDOW - 1)) == 0 && FIRN_STACK_WINDOW <= 4096 &&
+		       FIRN_STACK_WINDOW_BELOW < FIRN_STACK_WINDOW && (FIRN_STACK_WINDOW_BELOW & 7) == 0,
+	       "a window is a power of two within a page, and the word asked for lies in it");
 
 /* Entries of the per-CPU memo of stored user stacks (a power of two). */
 #define FIRN_STORED_MEMO 16
@@ -176,14 +184,16 @@ static __always_inline int read_user(__u64 *dst, __u64 addr)
 }
 
 /* Reads a word of the stack being walked, as read_user does, through this walk's window:
- * a word within it is taken from the copy; else a new window is read from `addr` up
- * (FIRN_STACK_WINDOW bytes, or to the end of addr's page when the next page cannot be
- * read: the top of the stack). Every caller checks `addr` exactly as it would for
- * read_user; the window only saves helper calls. Bytes of the window the walk does not
- * ask for are never used (DESIGN rule 9). */
+ * a word within it is taken from the copy; else a new window is read, from up to
+ * FIRN_STACK_WINDOW_BELOW bytes below `addr` (never below the frame's stack pointer nor
+ * addr's page) for FIRN_STACK_WINDOW bytes, or to the end of that page when the next
+ * page cannot be read (the top of the stack). Every caller checks `addr` exactly as it
+ * would for read_user, with st->sp the stack pointer of the frame being walked; the
+ * window only saves helper calls. Bytes of the window the walk does not ask for are
+ * never used (DESIGN rule 9). */
 static __always_inline int read_stack(struct firn_unwind_state *st, __u64 *dst, __u64 addr)
 {
-	__u64 off = addr - st->win_base;
+	__u64 off = addr - st->win_base, base;
 	__u32 n;
 
 	if (addr & 7)
@@ -194,19 +204,34 @@ static __always_inline int read_stack(struct firn_unwind_state *st, __u64 *dst, 
 		return 0;
 	}
 	st->win_reads++;
-	st->win_base = addr;
+	base = addr - FIRN_STACK_WINDOW_BELOW;
+	if (addr < FIRN_STACK_WINDOW_BELOW || base < st->sp)
+		/* The first whole word at or above the stack pointer: at most addr. */
+		base = (st->sp + 7) & ~7ULL;
+	if (base < (addr & ~4095ULL))
+		base = addr & ~4095ULL;
+	if (base > addr)
+		/* Callers read at or above the stack pointer; else, as read_user would. */
+		base = addr;
+	st->win_base = base;
 	st->win_len = FIRN_STACK_WINDOW;
-	if (bpf_probe_read_user(st->win, FIRN_STACK_WINDOW, (const void *)addr)) {
-		n = 4096 - (addr & 4095);
+	if (bpf_probe_read_user(st->win, FIRN_STACK_WINDOW, (const void *)base)) {
+		/* base and addr share a page, whose end lies past addr. */
+		n = 4096 - (base & 4095);
 		if (n >= FIRN_STACK_WINDOW ||
-		    bpf_probe_read_user(st->win, n & (FIRN_STACK_WINDOW - 8), (const void *)addr)) {
+		    bpf_probe_read_user(st->win, n & (FIRN_STACK_WINDOW - 8), (const void *)base)) {
 			/* addr's own page cannot be read. */
 			st->win_len = 0;
 			return -1;
 		}
 		st->win_len = n & (FIRN_STACK_WINDOW - 8);
 	}
-	*dst = st->win[0];
+	off = addr - base;
+	if (off >= st->win_len) {
+		st->win_len = 0;
+		return -1;
+	}
+	*dst = st->win[(off >> 3) & (FIRN_STACK_WINDOW / 8 - 1)];
 	return 0;
 }
 
@@ -222,9 +247,10 @@ static __always_inline int in_frame(__u64 base, __u64 sp, __u64 reach)
 /* One frame: check that st->pc is code of this process (every frame but the leaf, whose
  * pc is the sampled register), record it, then find the caller's registers. Nothing
  * read from the process's memory becomes a frame unless it lies in one of its
- * executable mappings, and every read lies in a bounded window above the stack pointer
- * of the frame being walked, so a lying table can pick among the process's code
- * addresses and nothing else (DESIGN rule 9). 1 stops the loop. */
+ * executable mappings, and every word it uses lies in a bounded window above the stack
+ * pointer of the frame being walked (read_stack copies at most FIRN_STACK_WINDOW bytes
+ * around it, none below that stack pointer), so a lying table can pick among the
+ * process's code addresses and nothing else (DESIGN rule 9). 1 stops the loop. */
 static __always_inline long walk_step(struct firn_unwind_state *st)
 {
 	struct firn_unwind_row row = {};
