@@ -152,6 +152,7 @@ metrics! {
     unwind_table_cache_write_errors: "unwind tables that could not be written to the on-disk cache",
     unwind_table_cache_skipped: "binaries whose table is not looked up in the on-disk cache: not a 64-bit ELF, CFI named by no section, or unreadable",
     unwind_tables_early: "unwind tables built and loaded between rounds, from a process's announcement",
+    unwind_tables_built_aside: "tables of large files built on a blocking thread, one at a time, so small new programs' tables are not held up behind them",
     unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",
     samples_in_moved_cgroups: "label sets of processes sampled in another cgroup than the one their record was read in (they moved; once per process, cgroup and round)",
     process_comm_changes: "changes of a process's main thread's comm from its record's or its last one (it renamed itself; labelled by the new one)",

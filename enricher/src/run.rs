@@ -276,6 +276,19 @@ async fn run(s: Settings, labeling: Labeling, confinement: confine::Report) -> E
                 reload(&s, pipeline.as_mut(), &metrics);
                 continue;
             }
+            // A large file's table, built off the loop: sent, and the queue goes on.
+            built = async {
+                match pipeline.as_mut() {
+                    Some(p) => p.enricher.built_aside().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some(p) = pipeline.as_mut() {
+                    p.enricher.finish_aside(built, session.broker.as_deref()).await;
+                    p.heap.after_tables(p.enricher.take_table_bytes(), &metrics);
+                }
+                continue;
+            }
             // Tables of announced processes left for want of budget: on with them.
             _ = tokio::time::sleep(early.unwrap_or_default()), if early.is_some() => {
                 if let (Some(p), Some(b)) = (pipeline.as_mut(), session.broker.as_deref()) {

@@ -2,14 +2,18 @@
 //! it has read it, and the files it maps that have no table yet are queued here and
 //! built and sent between rounds, within a budget of work per second. A program that
 //! lives a few seconds then has whole stacks in its first round, whatever the round
-//! length.
+//! length. A large file's table (a compiler's `libLLVM`: 1.4 M rows, 0.4 s) is built on
+//! a blocking thread, one at a time, so a small program announced meanwhile is not held
+//! up behind it.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use super::tables::{build_timed, Rows};
 use super::{dev_of, Enricher, SamplerLink};
 use crate::batch::Process;
 use crate::metrics::Metrics;
+use crate::unwind::{LoadError, State, Table};
 
 /// Table work between rounds per second at most (building and sending, the sampler's
 /// row writes included), for small and for large files each: a burst of new binaries
@@ -38,6 +42,20 @@ impl Want {
     }
 }
 
+/// A table built off the event loop, and how long the build took; `Err`: the build's
+/// thread failed.
+pub(crate) type Built = Result<(Result<Table, LoadError>, Duration), tokio::task::JoinError>;
+
+/// The large file whose table is being built off the loop.
+struct InFlight {
+    want: Want,
+    version: u32,
+    path: String,
+    /// Its cache key.
+    key: Option<String>,
+    job: tokio::task::JoinHandle<(Result<Table, LoadError>, Duration)>,
+}
+
 /// The queue of files waiting for their table, and the budget it is worked off with.
 pub(crate) struct Early {
     queue: VecDeque<Want>,
@@ -48,6 +66,8 @@ pub(crate) struct Early {
     last: Instant,
     /// File → CLOCK_BOOTTIME ns of the first sample of a process that waits for it.
     waiting_since: HashMap<(u64, u64), u64>,
+    /// At most one large file's build at a time: others of its class wait for it.
+    in_flight: Option<InFlight>,
 }
 
 impl Default for Early {
@@ -58,6 +78,7 @@ impl Default for Early {
             tokens: [BURST; 2],
             last: Instant::now(),
             waiting_since: HashMap::new(),
+            in_flight: None,
         }
     }
 }
@@ -77,6 +98,7 @@ impl Early {
         let owed = self
             .queue
             .iter()
+            .filter(|w| !self.blocked(w))
             .map(|w| (-self.tokens[w.class()]).max(0.0))
             .reduce(f64::min)?;
         Some(Duration::from_secs_f64(owed / RATE))
@@ -88,12 +110,22 @@ impl Early {
             .queue
             .iter()
             .enumerate()
-            .filter(|(_, w)| self.tokens[w.class()] > 0.0)
+            .filter(|(_, w)| self.tokens[w.class()] > 0.0 && !self.blocked(w))
             .min_by_key(|(_, w)| w.size)
             .map(|(i, _)| i)?;
         let w = self.queue.remove(i)?;
         self.queued.remove(&w.file);
         Some(w)
+    }
+
+    /// A large file waits while another's table is built off the loop.
+    fn blocked(&self, w: &Want) -> bool {
+        w.class() == 1 && self.in_flight.is_some()
+    }
+
+    /// Whether `file`'s table is being built off the loop.
+    pub(crate) fn building(&self, file: (u64, u64)) -> bool {
+        self.in_flight.as_ref().is_some_and(|f| f.want.file == file)
     }
 
     /// When the table of `file` became ready, the time since the first sample of a
@@ -205,18 +237,35 @@ impl Enricher {
                 self.early.forget(w.file);
                 continue;
             };
-            let state = self
-                .send_table(
-                    link,
-                    (w.process_id, w.index as u32, version),
-                    (&path, w.file),
-                    round,
-                )
-                .await;
+            let ids = (w.process_id, w.index as u32, version);
+            // Off the loop only under a runtime (the round's tests and the fuzz target
+            // drive the enricher without one).
+            let state = if w.class() == 1 && tokio::runtime::Handle::try_current().is_ok() {
+                match self.open_rows(link, ids, (&path, w.file), round).await {
+                    Ok(Rows::Build(map, key)) => {
+                        let job = tokio::task::spawn_blocking(move || build_timed(&map));
+                        Metrics::inc(&self.metrics.unwind_tables_built_aside);
+                        self.early.tokens[1] -= now.elapsed().as_secs_f64();
+                        served.push(w.process_id);
+                        self.early.in_flight = Some(InFlight {
+                            want: w,
+                            version,
+                            path,
+                            key,
+                            job,
+                        });
+                        continue;
+                    }
+                    Ok(rows) => self.load_rows(link, ids, &path, rows, round).await,
+                    Err(state) => state,
+                }
+            } else {
+                self.send_table(link, ids, (&path, w.file), round).await
+            };
             tracing::debug!(path, file = ?w.file, ?state, "unwind table tried early");
             link.tables().borrow_mut().set(w.file, state);
             self.note_table(w.file, state);
-            if state == crate::unwind::State::Loaded {
+            if state == State::Loaded {
                 Metrics::inc(&self.metrics.unwind_tables_early);
             }
             let spent = now.elapsed().as_secs_f64();
@@ -228,16 +277,50 @@ impl Enricher {
         }
     }
 
+    /// The outcome of the build off the loop, once done (pending while none runs).
+    pub(crate) async fn built_aside(&mut self) -> Built {
+        match self.early.in_flight.as_mut() {
+            Some(f) => (&mut f.job).await,
+            None => std::future::pending().await,
+        }
+    }
+
+    /// A table built off the loop: kept in the cache and sent, as `early_work` would
+    /// have; the next large file may then start. Without a link it is dropped, and a
+    /// later round tries the file again.
+    pub(crate) async fn finish_aside<L: SamplerLink>(&mut self, built: Built, link: Option<&L>) {
+        let Some(f) = self.early.in_flight.take() else {
+            return;
+        };
+        let (built, took) = built.unwrap_or((Err(LoadError::Panicked), Duration::ZERO));
+        let rows = self.built_rows(built, took, f.key.as_deref(), &f.path);
+        let Some(link) = link else {
+            self.early.forget(f.want.file);
+            return;
+        };
+        let t0 = Instant::now();
+        let ids = (f.want.process_id, f.want.index as u32, f.version);
+        let state = self.load_rows(link, ids, &f.path, rows, self.round).await;
+        tracing::debug!(path = f.path, file = ?f.want.file, ?state, ?took, "unwind table built aside and tried");
+        link.tables().borrow_mut().set(f.want.file, state);
+        self.note_table(f.want.file, state);
+        if state == State::Loaded {
+            Metrics::inc(&self.metrics.unwind_tables_early);
+        }
+        self.early.tokens[1] -= (took + t0.elapsed()).as_secs_f64();
+        self.send_interpreters_of(&[f.want.process_id], link).await;
+    }
+
     /// After a table's fate is known: the time from first sample to table, when loaded.
     pub(super) fn note_table(&mut self, file: (u64, u64), state: crate::unwind::State) {
         match state {
-            crate::unwind::State::Loaded => {
+            State::Loaded => {
                 if let Some(ms) = self.early.ready(file) {
                     self.metrics.unwind_table_ready.observe_ms(ms);
                 }
             }
             // Tried again by a later round, if at all: not timed.
-            crate::unwind::State::Given | crate::unwind::State::Retry(_) => self.early.forget(file),
+            State::Given | State::Retry(_) => self.early.forget(file),
         }
     }
 }

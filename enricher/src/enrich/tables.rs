@@ -12,6 +12,28 @@ use crate::batch::Batch;
 use crate::broker::BrokerError;
 use crate::metrics::Metrics;
 
+/// Where a brokered file's table rows come from.
+pub(super) enum Rows {
+    /// Nothing to send: no usable CFI (counted, logged).
+    None,
+    /// The rows' bytes and their count, ready to send.
+    Ready(Vec<u8>, usize),
+    /// To be built from the mapped file, then kept in the cache under the key.
+    Build(memmap2::Mmap, Option<String>),
+}
+
+/// Builds a table from a mapped file, and how long that took.
+pub(super) fn build_timed(
+    map: &[u8],
+) -> (
+    Result<crate::unwind::Table, crate::unwind::LoadError>,
+    std::time::Duration,
+) {
+    let t0 = std::time::Instant::now();
+    let built = crate::unwind::build_from_map(map);
+    (built, t0.elapsed())
+}
+
 impl Enricher {
     /// Builds and sends the unwind tables of the files sampled processes map that this
     /// subscription has not sent yet: all executable mappings of each, so that the
@@ -43,6 +65,7 @@ impl Enricher {
                 for (idx, m) in e.record.mappings.iter().enumerate() {
                     let file = (dev_of(m), m.inode);
                     if sent.wants(file, round)
+                        && !self.early.building(file)
                         && !wanted.iter().any(|w| w.2 == file)
                         && wanted.len() < MAX_TABLES_PER_ROUND
                     {
@@ -74,30 +97,63 @@ impl Enricher {
     pub(super) async fn send_table<L: SamplerLink>(
         &mut self,
         link: &L,
-        (pid_id, idx, version): (u64, u32, u32),
+        ids: (u64, u32, u32),
         (path, file): (&str, (u64, u64)),
         round: u64,
     ) -> crate::unwind::State {
+        let rows = match self.open_rows(link, ids, (path, file), round).await {
+            Ok(Rows::Build(map, key)) => {
+                let (built, took) = build_timed(&map);
+                drop(map);
+                self.built_rows(built, took, key.as_deref(), path)
+            }
+            Ok(rows) => rows,
+            Err(state) => return state,
+        };
+        self.load_rows(link, ids, path, rows, round).await
+    }
+
+    /// The mapping's file, brokered, and where its rows come from; `Err`: the broker
+    /// refused or failed, with the state that leaves the file in.
+    pub(super) async fn open_rows<L: SamplerLink>(
+        &mut self,
+        link: &L,
+        (pid_id, idx, version): (u64, u32, u32),
+        (path, file): (&str, (u64, u64)),
+        round: u64,
+    ) -> Result<Rows, crate::unwind::State> {
         use crate::unwind::State;
-        let metrics = self.metrics.clone();
-        let m = &*metrics;
+        let m = &*self.metrics;
         Metrics::inc(&m.broker_requests);
-        let fd = match link.open(pid_id, idx, version).await {
-            Ok(fd) => fd,
+        match link.open(pid_id, idx, version).await {
+            Ok(fd) => Ok(self.rows_of(fd, path, file)),
             Err(BrokerError::Refused(r)) => {
                 Metrics::inc(&m.broker_refusals);
                 tracing::debug!(path, reason = ?r, "broker refused a binary for its unwind table");
-                return State::Retry(round + RETRY_ROUNDS);
+                Err(State::Retry(round + RETRY_ROUNDS))
             }
             Err(e) => {
                 Metrics::inc(&m.broker_errors);
                 tracing::warn!(error = %e, "broker request failed");
-                return State::Retry(round + 1);
+                Err(State::Retry(round + 1))
             }
-        };
-        let Some((bytes, rows)) = self.rows_of(fd, path, file) else {
+        }
+    }
+
+    /// Sends ready rows to the sampler: the state that leaves the file in.
+    pub(super) async fn load_rows<L: SamplerLink>(
+        &mut self,
+        link: &L,
+        (pid_id, idx, version): (u64, u32, u32),
+        path: &str,
+        rows: Rows,
+        round: u64,
+    ) -> crate::unwind::State {
+        use crate::unwind::State;
+        let Rows::Ready(bytes, rows) = rows else {
             return State::Given;
         };
+        let m = &*self.metrics;
         match link.load_table(pid_id, idx, version, &bytes).await {
             Ok(()) => {
                 Metrics::inc(&m.unwind_tables_sent);
@@ -126,15 +182,10 @@ impl Enricher {
         }
     }
 
-    /// The table rows of a brokered file (and its row count): from the on-disk cache
-    /// when it holds them, else built from the file's CFI and kept there. The file is
-    /// also looked at for a CPython. `None`: no usable table (counted, logged).
-    fn rows_of(
-        &mut self,
-        fd: std::os::fd::OwnedFd,
-        path: &str,
-        file: (u64, u64),
-    ) -> Option<(Vec<u8>, usize)> {
+    /// Where the table rows of a brokered file come from: the on-disk cache when it
+    /// holds them, else a build from the file's CFI (`Rows::Build`, then `built_rows`).
+    /// The file is also looked at for a CPython.
+    fn rows_of(&mut self, fd: std::os::fd::OwnedFd, path: &str, file: (u64, u64)) -> Rows {
         use crate::unwind::cache::{key_of, Found};
         const ROW: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
         let metrics = self.metrics.clone();
@@ -145,7 +196,7 @@ impl Enricher {
             Err(e) => {
                 Metrics::inc(&m.unwind_table_build_errors);
                 tracing::info!(path, error = %e, "no unwind table for this binary; its frames are walked by frame pointers");
-                return None;
+                return Rows::None;
             }
         };
         if crate::python::might_be_cpython(path) {
@@ -168,8 +219,9 @@ impl Enricher {
                     tracing::debug!(path, key, rows, "unwind table read from the cache");
                     if rows == 0 {
                         tracing::info!(path, key, "a cached unwind table holds no rows; its frames are walked by frame pointers");
+                        return Rows::None;
                     }
-                    return (rows > 0).then_some((bytes, rows));
+                    return Rows::Ready(bytes, rows);
                 }
                 Found::Missing => Metrics::inc(&m.unwind_table_cache_misses),
                 Found::Corrupt => {
@@ -182,11 +234,22 @@ impl Enricher {
                 }
             }
         }
-        let t0 = std::time::Instant::now();
-        let built = crate::unwind::build_from_map(&map);
+        Rows::Build(map, key)
+    }
+
+    /// A build's outcome (it took `took`) as rows to send, kept in the cache under `key`.
+    pub(super) fn built_rows(
+        &mut self,
+        built: Result<crate::unwind::Table, crate::unwind::LoadError>,
+        took: std::time::Duration,
+        key: Option<&str>,
+        path: &str,
+    ) -> Rows {
+        let metrics = self.metrics.clone();
+        let m = &*metrics;
         Metrics::add(
             &m.unwind_table_build_ns,
-            u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX),
+            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
         );
         let table = match built {
             Ok(t) if !t.rows.is_empty() => t,
@@ -201,7 +264,7 @@ impl Enricher {
                         "this binary's CFI gave no rows; its frames are walked by frame pointers"
                     ),
                 }
-                return None;
+                return Rows::None;
             }
         };
         Metrics::inc(&m.unwind_tables_built);
@@ -210,7 +273,7 @@ impl Enricher {
         let bytes = table.into_bytes();
         // What building it took is a few times this (rows, their sort, the bytes).
         self.table_bytes += bytes.len() as u64;
-        if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key.as_deref()) {
+        if let (Some(cache), Some(key)) = (self.table_cache.as_mut(), key) {
             match cache.put(key, &bytes) {
                 Ok(Some(evicted)) => Metrics::add(&m.unwind_table_cache_evicted, evicted),
                 Ok(None) => Metrics::inc(&m.unwind_table_cache_no_room),
@@ -224,7 +287,7 @@ impl Enricher {
             m.unwind_cache_entries
                 .store(cache.len() as u64, std::sync::atomic::Ordering::Relaxed);
         }
-        Some((bytes, rows))
+        Rows::Ready(bytes, rows)
     }
 
     /// A CPython interpreter among a process's files: its version and layout, from the

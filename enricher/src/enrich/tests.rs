@@ -288,6 +288,46 @@ fn an_announced_process_gets_its_tables_before_any_round_within_the_budget() {
 }
 
 #[test]
+fn a_large_files_table_is_built_aside_and_a_small_one_announced_meanwhile_is_not_held_up() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let addr = marker_function();
+        let mut e = enricher();
+        let link = FakeLink::default();
+        // The link serves this binary for every file; the mapping's size makes it large.
+        let mut big = batch(1, addr, true).processes;
+        let m = &mut big[0].mappings[0];
+        m.end = m.start + (64 << 20);
+        let big_file = (dev_of(m), m.inode);
+        big[0].first_sample_ns = firn_schema::boot_ns();
+        e.announced(big, Some(&link)).await;
+        assert!(e.early.building(big_file));
+        assert_eq!(link.loaded_rows.get(), 0, "built aside, not sent yet");
+        assert!(e.early_wait().is_none(), "nothing else waits");
+        let mut small = batch(1, addr, true).processes;
+        small[0].process_id = 2;
+        let m = &mut small[0].mappings[0];
+        m.inode += 1;
+        m.end = m.start + 4096;
+        e.announced(small, Some(&link)).await;
+        let rows = link.loaded_rows.get();
+        assert!(rows > 100, "the small file's table at once");
+        let built = e.built_aside().await;
+        e.finish_aside(built, Some(&link)).await;
+        assert_eq!(link.loaded_rows.get(), 2 * rows, "then the large one's");
+        assert!(!e.early.building(big_file));
+        let m = &e.metrics;
+        assert_eq!(m.unwind_tables_built_aside.load(Ordering::Relaxed), 1);
+        assert_eq!(m.unwind_tables_early.load(Ordering::Relaxed), 2);
+        // Its round does not build it again.
+        run(e.handle(batch(1, addr, false), Some(&link)));
+        assert_eq!(link.loaded_rows.get(), 2 * rows);
+    });
+}
+
+#[test]
 fn tables_kept_on_disk_are_read_back_without_a_build() {
     let addr = marker_function();
     let dir = std::env::temp_dir().join(format!("firn-enrich-uwc-{}", std::process::id()));
