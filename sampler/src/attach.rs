@@ -183,6 +183,7 @@ impl crate::rounds::MapSets for Sampling {
         }
         if !keys.is_empty() {
             u.processes_changed();
+            u.shrink_after_storm();
         }
     }
 }

@@ -270,6 +270,7 @@ impl Hub {
                 .copied()
                 .filter(|id| sent.remove(id).is_some())
                 .collect();
+            crate::processes::shrink_after_storm(&mut sent);
             let mut deferred = sub.deferred.take();
             deferred.retain(|p| !forgotten_all.contains(&p.id));
             carry(

@@ -99,7 +99,10 @@ impl Known {
 /// Keyed by [`ProcKey`]: within one round a pid can name two processes (reuse) or two
 /// programs (exec), whose samples arrive interleaved; each keeps its own record and id.
 pub(crate) struct ProcessTable {
-    by_key: HashMap<ProcKey, Known>,
+    /// Boxed: an exec storm grows the table to 4,096 buckets and more, and a bucket of
+    /// 32 bytes (not 152) keeps that growth, and the moment both tables are held while
+    /// it rehashes, small; an empty bucket then costs no record's room.
+    by_key: HashMap<ProcKey, Box<Known>>,
     next_id: u64,
     /// Record bytes held (sum of `wire_bytes`).
     bytes: usize,
@@ -127,6 +130,14 @@ pub(crate) struct ProcessTable {
     remap_reads: firn_logs::TokenBucket,
     /// Rounds an ended process's record is kept after its own ([`ENDED_ROUNDS`]).
     ended_rounds: u64,
+}
+
+/// Gives a hash table's room back once it holds a small part of it (after a storm of
+/// processes): it never shrinks by itself, and its emptied buckets stay resident.
+pub(crate) fn shrink_after_storm<K: std::hash::Hash + Eq, V>(m: &mut HashMap<K, V>) {
+    if m.capacity() > 4 * m.len().max(256) {
+        m.shrink_to(2 * m.len().max(256));
+    }
 }
 
 impl Default for ProcessTable {
@@ -395,7 +406,7 @@ impl ProcessTable {
         if !deferred {
             self.fresh.push((key, known.record.clone()));
         }
-        self.by_key.insert(key, known);
+        self.by_key.insert(key, Box::new(known));
         self.shrink(counters);
         id
     }
@@ -409,7 +420,7 @@ impl ProcessTable {
     }
 
     pub(crate) fn get(&self, key: ProcKey) -> Option<&Known> {
-        self.by_key.get(&key)
+        self.by_key.get(&key).map(|k| &**k)
     }
 
     /// Forgets processes whose last samples have been sent: those that ended
@@ -442,6 +453,7 @@ impl ProcessTable {
             false
         });
         self.bytes = self.bytes.saturating_sub(freed);
+        shrink_after_storm(&mut self.by_key);
         self.texts.sweep();
         add(&counters.processes_forgotten, gone.len() as u64);
         // Counted when they were evicted.

@@ -208,3 +208,18 @@ fn rounds_of_ten_seconds_keep_an_ended_process_one_round_after_its_own() {
         assert_eq!(t.sweep(forgotten_at, &c), vec![id], "{seconds} s rounds");
     }
 }
+
+#[test]
+fn a_table_emptied_after_a_storm_gives_its_room_back() {
+    let mut m: std::collections::HashMap<u64, u64> = (0..10_000).map(|i| (i, i)).collect();
+    let grown = m.capacity();
+    m.retain(|&k, _| k < 300);
+    super::shrink_after_storm(&mut m);
+    assert!(m.capacity() < grown / 8, "{} of {grown}", m.capacity());
+    assert_eq!(m.len(), 300);
+    // A table in use is left alone: no rehash every round.
+    let cap = m.capacity();
+    m.retain(|&k, _| k < 200);
+    super::shrink_after_storm(&mut m);
+    assert_eq!(m.capacity(), cap);
+}

@@ -272,6 +272,10 @@ impl Rounds {
         // Records read while assembling go in this round's batch.
         let _ = self.sync_mappings(maps, c);
         self.table.begin_round(self.round, c);
+        let (used, free) = crate::trim::heap_bytes();
+        c.heap_used_bytes.set(used);
+        c.heap_free_bytes.set(free);
+        c.processes_known.set(self.table.len() as u64);
         bump(&c.rounds);
         tracing::debug!(
             round = self.round,

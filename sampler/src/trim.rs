@@ -27,6 +27,17 @@ pub(crate) fn fix_heap_threshold() {
     }
 }
 
+/// The allocator's heap now: bytes in use (small blocks and mapped ones) and bytes held
+/// free in the heap (holes and the top a trim has not given back). glibc's own tally:
+/// no system call.
+pub(crate) fn heap_bytes() -> (u64, u64) {
+    // SAFETY: mallinfo2 has no preconditions; it reads the allocator's state under its
+    // own locks.
+    let i = unsafe { libc::mallinfo2() };
+    let used = i.uordblks.saturating_add(i.hblkhd);
+    (used as u64, i.fordblks as u64)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum TrimError {
     #[error("reading /proc/self/smaps: {0}")]

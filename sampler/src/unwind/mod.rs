@@ -487,6 +487,11 @@ impl Unwind {
         }
     }
 
+    /// Gives the process index's room back after a storm of processes.
+    pub(crate) fn shrink_after_storm(&mut self) {
+        crate::processes::shrink_after_storm(&mut self.processes);
+    }
+
     /// The process is forgotten: its mappings go, unless the pid is another process's
     /// by now (reuse, or its next program after an exec).
     /// The caller moves the epoch once after a batch of these ([`Self::processes_changed`]).
