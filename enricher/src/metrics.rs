@@ -80,7 +80,12 @@ macro_rules! metrics {
                             .chars()
                             .map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' })
                             .collect();
-                        let _ = writeln!(out, "# TYPE firn_sampler_{name} counter");
+                        let kind = if firn_schema::SAMPLER_GAUGES.contains(&name.as_str()) {
+                            "gauge"
+                        } else {
+                            "counter"
+                        };
+                        let _ = writeln!(out, "# TYPE firn_sampler_{name} {kind}");
                         let _ = writeln!(out, "firn_sampler_{name} {value}");
                     }
                 }
@@ -153,6 +158,7 @@ metrics! {
     unwind_table_cache_skipped: "binaries whose table is not looked up in the on-disk cache: not a 64-bit ELF, CFI named by no section, or unreadable",
     unwind_tables_early: "unwind tables built and loaded between rounds, from a process's announcement",
     unwind_tables_built_aside: "tables of large files built on a blocking thread, one at a time, so small new programs' tables are not held up behind them",
+    unwind_tables_aside_unsent: "tables built aside that were not sent when done: no link, another sampler session, or no process maps the file any more (kept on disk; a round tries the file again)",
     unwind_tables_early_overflow: "files dropped from the queue of announced processes' tables (over 4,096 waiting; their round sends them)",
     samples_in_moved_cgroups: "label sets of processes sampled in another cgroup than the one their record was read in (they moved; once per process, cgroup and round)",
     process_comm_changes: "changes of a process's main thread's comm from its record's or its last one (it renamed itself; labelled by the new one)",

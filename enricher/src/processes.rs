@@ -125,4 +125,8 @@ impl ProcessTable {
     pub(crate) fn len(&self) -> usize {
         self.by_id.len()
     }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &Entry)> {
+        self.by_id.iter().map(|(&id, e)| (id, e))
+    }
 }

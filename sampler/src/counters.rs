@@ -28,6 +28,11 @@ macro_rules! counters {
                     ("log_lines_suppressed", firn_logs::suppressed()),
                 ]
             }
+
+            #[cfg(test)]
+            fn docs() -> Vec<(&'static str, &'static str)> {
+                vec![$((stringify!($name), $doc),)*]
+            }
         }
     };
 }
@@ -155,7 +160,7 @@ counters! {
     unwind_mappings_truncated: "processes with more executable mappings than the unwinder holds (60; frames in the rest end their stack)",
     unwind_procmaps_failed: "process mappings the sampler could not write into the BPF map",
     python_interpreters_loaded: "CPython interpreter records taken for the BPF walk",
-    python_interpreters_in_use: "processes whose interpreter the BPF walk knows now (not cumulative)",
+    python_interpreters_in_use: "processes whose interpreter the BPF walk knows now (a gauge)",
     python_interpreters_refused_invalid: "interpreter records refused: malformed, or a field failed the check (another version, layout, address, range, offset)",
     python_interpreters_refused_outside: "interpreter records refused: the eval loop or an object outside the named mapping's reach",
     python_interpreters_refused_other: "interpreter records refused: unknown process or mapping, rate, another subscription's, map full or disabled",
@@ -178,4 +183,21 @@ counters! {
     bpf_python_code_copied: "code objects' names the BPF walk copied",
     bpf_python_code_full: "code objects' names not copied: the map was full until the next drain (copied when met again)",
     bpf_unwind_step_budget: "user stacks ended because the walk's step budget ran out",
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_gauges_readers_are_told_of_are_the_counters_that_say_so() {
+        let said: Vec<&str> = super::Counters::docs()
+            .into_iter()
+            .filter(|(_, doc)| doc.contains("a gauge"))
+            .map(|(name, _)| name)
+            .collect();
+        let mut told = firn_schema::SAMPLER_GAUGES.to_vec();
+        told.sort_unstable();
+        let mut said_sorted = said.clone();
+        said_sorted.sort_unstable();
+        assert_eq!(said_sorted, told);
+    }
 }

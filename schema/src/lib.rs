@@ -37,6 +37,17 @@ pub fn boot_ns() -> u64 {
 }
 
 /// Upper bounds on every list either side accepts. A message beyond one is rejected.
+/// The sampler's counters that are gauges (a value now, that goes down as well as up),
+/// for readers that export them with their type. The sampler's tests keep this list and
+/// its counters' texts ("a gauge") in step.
+pub const SAMPLER_GAUGES: &[&str] = &[
+    "unwind_rows_in_use",
+    "heap_used_bytes",
+    "heap_free_bytes",
+    "processes_known",
+    "python_interpreters_in_use",
+];
+
 pub mod limits {
     /// Samples in one batch: the BPF counts map holds at most this many keys.
     pub const MAX_SAMPLES: u32 = 16_384;

@@ -49,10 +49,12 @@ pub(crate) type Built = Result<(Result<Table, LoadError>, Duration), tokio::task
 /// The large file whose table is being built off the loop.
 struct InFlight {
     want: Want,
-    version: u32,
     path: String,
     /// Its cache key.
     key: Option<String>,
+    /// The sampler session it was asked for (its ids mean nothing in another).
+    session: u64,
+    started: Instant,
     job: tokio::task::JoinHandle<(Result<Table, LoadError>, Duration)>,
 }
 
@@ -118,9 +120,21 @@ impl Early {
         Some(w)
     }
 
-    /// A large file waits while another's table is built off the loop.
+    /// A large file waits while another's table is built off the loop, and the file
+    /// being built waits for its build, whatever the size of the mapping asking.
     fn blocked(&self, w: &Want) -> bool {
-        w.class() == 1 && self.in_flight.is_some()
+        self.in_flight
+            .as_ref()
+            .is_some_and(|f| w.class() == 1 || f.want.file == w.file)
+    }
+
+    /// Everything forgotten for a new sampler session, but a build under way: it
+    /// cannot be stopped, so it goes on (its table kept on disk when done) and no other
+    /// large build starts beside it.
+    pub(crate) fn new_session(&mut self) {
+        let in_flight = self.in_flight.take();
+        *self = Self::default();
+        self.in_flight = in_flight;
     }
 
     /// Whether `file`'s table is being built off the loop.
@@ -249,9 +263,10 @@ impl Enricher {
                         served.push(w.process_id);
                         self.early.in_flight = Some(InFlight {
                             want: w,
-                            version,
                             path,
                             key,
+                            session: self.session,
+                            started: Instant::now(),
                             job,
                         });
                         continue;
@@ -286,29 +301,71 @@ impl Enricher {
     }
 
     /// A table built off the loop: kept in the cache and sent, as `early_work` would
-    /// have; the next large file may then start. Without a link it is dropped, and a
-    /// later round tries the file again.
+    /// have, through a process that maps the file now (the one that asked may have
+    /// re-read its mappings or ended meanwhile); the next large file may then start.
+    /// Without a link, in another session, or with no process mapping the file any more
+    /// it is not sent (counted), and a later round tries the file again.
     pub(crate) async fn finish_aside<L: SamplerLink>(&mut self, built: Built, link: Option<&L>) {
         let Some(f) = self.early.in_flight.take() else {
             return;
         };
-        let (built, took) = built.unwrap_or((Err(LoadError::Panicked), Duration::ZERO));
+        let (built, took) = match built {
+            Ok(done) => done,
+            Err(e) => {
+                tracing::warn!(path = f.path, error = %e, "the thread building an unwind table failed");
+                (Err(LoadError::Panicked), f.started.elapsed())
+            }
+        };
+        self.early.tokens[1] -= took.as_secs_f64();
         let rows = self.built_rows(built, took, f.key.as_deref(), &f.path);
-        let Some(link) = link else {
-            self.early.forget(f.want.file);
+        let file = f.want.file;
+        let target = (f.session == self.session)
+            .then(|| self.holder_of(f.want.process_id, file))
+            .flatten();
+        let (Some(link), Some((process_id, index, version))) = (link, target) else {
+            Metrics::inc(&self.metrics.unwind_tables_aside_unsent);
+            tracing::debug!(path = f.path, ?file, "an unwind table built aside was not sent: no link, another session, or no process maps the file now");
+            self.early.forget(file);
             return;
         };
+        if !link.tables().borrow().wants(file, self.round) {
+            self.early.forget(file);
+            return;
+        }
         let t0 = Instant::now();
-        let ids = (f.want.process_id, f.want.index as u32, f.version);
+        let ids = (process_id, index as u32, version);
         let state = self.load_rows(link, ids, &f.path, rows, self.round).await;
-        tracing::debug!(path = f.path, file = ?f.want.file, ?state, ?took, "unwind table built aside and tried");
-        link.tables().borrow_mut().set(f.want.file, state);
-        self.note_table(f.want.file, state);
+        tracing::debug!(
+            path = f.path,
+            ?file,
+            ?state,
+            ?took,
+            "unwind table built aside and tried"
+        );
+        link.tables().borrow_mut().set(file, state);
+        self.note_table(file, state);
         if state == State::Loaded {
             Metrics::inc(&self.metrics.unwind_tables_early);
         }
-        self.early.tokens[1] -= (took + t0.elapsed()).as_secs_f64();
-        self.send_interpreters_of(&[f.want.process_id], link).await;
+        self.early.tokens[1] -= t0.elapsed().as_secs_f64();
+        self.send_interpreters_of(&[process_id], link).await;
+    }
+
+    /// A known process that maps `file` now, `prefer` first: its id, the mapping's
+    /// index and the record's mappings version.
+    fn holder_of(&self, prefer: u64, file: (u64, u64)) -> Option<(u64, usize, u32)> {
+        let find = |id: u64, e: &crate::processes::Entry| {
+            let i = e
+                .record
+                .mappings
+                .iter()
+                .position(|m| (dev_of(m), m.inode) == file)?;
+            Some((id, i, e.record.mappings_version))
+        };
+        self.processes
+            .get(prefer)
+            .and_then(|e| find(prefer, e))
+            .or_else(|| self.processes.iter().find_map(|(id, e)| find(id, e)))
     }
 
     /// After a table's fate is known: the time from first sample to table, when loaded.

@@ -189,7 +189,7 @@ impl Enricher {
             self.session = session;
             self.labeler.clear();
             self.python.names.clear();
-            self.early = early::Early::default();
+            self.early.new_session();
             self.round = 0;
             self.main_comms.clear();
         }

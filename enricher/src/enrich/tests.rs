@@ -18,6 +18,8 @@ struct FakeLink {
     opens: Cell<u32>,
     tables: RefCell<crate::unwind::Sent>,
     loaded_rows: Cell<usize>,
+    /// The (process id, mapping index, version) of the last table loaded.
+    last_load: Cell<(u64, u32, u32)>,
     interpreters: RefCell<std::collections::HashMap<u64, u32>>,
 }
 
@@ -34,7 +36,14 @@ impl SamplerLink for FakeLink {
             .into())
     }
 
-    async fn load_table(&self, _: u64, _: u32, _: u32, rows: &[u8]) -> Result<(), TableSendError> {
+    async fn load_table(
+        &self,
+        id: u64,
+        index: u32,
+        version: u32,
+        rows: &[u8],
+    ) -> Result<(), TableSendError> {
+        self.last_load.set((id, index, version));
         self.loaded_rows
             .set(self.loaded_rows.get() + rows.len() / 8);
         Ok(())
@@ -324,6 +333,54 @@ fn a_large_files_table_is_built_aside_and_a_small_one_announced_meanwhile_is_not
         // Its round does not build it again.
         run(e.handle(batch(1, addr, false), Some(&link)));
         assert_eq!(link.loaded_rows.get(), 2 * rows);
+    });
+}
+
+/// A process announced with a mapping made large (64 MiB), and its file.
+fn large_announcement(addr: u64, version: u32) -> (Vec<Process>, (u64, u64)) {
+    let mut big = batch(1, addr, true).processes;
+    let m = &mut big[0].mappings[0];
+    m.end = m.start + (64 << 20);
+    let file = (dev_of(m), m.inode);
+    big[0].mappings_version = version;
+    (big, file)
+}
+
+#[test]
+fn a_table_built_aside_goes_to_the_record_as_it_is_when_done_and_not_to_another_session() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let addr = marker_function();
+        let mut e = enricher();
+        let link = FakeLink::default();
+        let (v1, file) = large_announcement(addr, 1);
+        e.announced(v1, Some(&link)).await;
+        assert!(e.early.building(file));
+        // Its mappings are read again while the build runs: the table goes with the
+        // version the sampler holds now.
+        let (v2, _) = large_announcement(addr, 2);
+        e.announced(v2, Some(&link)).await;
+        let built = e.built_aside().await;
+        e.finish_aside(built, Some(&link)).await;
+        assert_eq!(link.last_load.get(), (1, 0, 2));
+        // A build that ends in another session is not sent, and counted.
+        let mut e = enricher();
+        let other = FakeLink::default();
+        let (v1, file) = large_announcement(addr, 1);
+        e.announced(v1, Some(&other)).await;
+        e.set_session(8);
+        assert!(
+            e.early.building(file),
+            "a build under way outlives the session"
+        );
+        let built = e.built_aside().await;
+        e.finish_aside(built, Some(&other)).await;
+        assert_eq!(other.loaded_rows.get(), 0);
+        let m = &e.metrics;
+        assert_eq!(m.unwind_tables_aside_unsent.load(Ordering::Relaxed), 1);
+        assert!(!e.early.building(file));
     });
 }
 
