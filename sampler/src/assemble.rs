@@ -232,8 +232,11 @@ impl Stacks<'_> {
         }
         let (kallsyms, symbols) = (self.kallsyms, &mut self.symbols);
         *self.symbol_index.entry(sym).or_insert_with(|| {
-            let name = sym.map_or(UNKNOWN_KERNEL, |i| kallsyms.name(i));
-            symbols.push(Rc::from(name));
+            let name: Rc<[u8]> = match sym {
+                Some(i) => Rc::from(kallsyms.name(i)),
+                None => Rc::from(UNKNOWN_KERNEL),
+            };
+            symbols.push(name);
             (symbols.len() - 1) as u32
         })
     }

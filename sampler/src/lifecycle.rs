@@ -141,6 +141,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         frequency_hz = args.frequency,
         round_seconds = args.round,
         kernel_symbols = kallsyms.len(),
+        kernel_symbol_bytes = kallsyms.bytes(),
         off_cpu = args.off_cpu,
         "sampling started"
     );
