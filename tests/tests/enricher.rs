@@ -411,13 +411,19 @@ fn full_disk_pauses_and_resumes() {
             .unwrap_or(0.0)
             >= 1.0
     );
-    // Fill the disk.
-    let filler = f.out.join("filler");
-    let _ = Command::new("dd")
-        .args(["if=/dev/zero", "bs=64k", "count=64"])
-        .arg(format!("of={}", filler.display()))
-        .stderr(std::process::Stdio::null())
-        .status();
+    // Fill the disk. The unwind table cache gives its files up when the profiles' free
+    // space runs low (with a build beside the test it holds hundreds of KiB of the
+    // compiler's libraries), so what that frees by the next round is taken too.
+    let fill = |name: &str| {
+        let _ = Command::new("dd")
+            .args(["if=/dev/zero", "bs=4k", "count=1024"])
+            .arg(format!("of={}", f.out.join(name).display()))
+            .stderr(std::process::Stdio::null())
+            .status();
+    };
+    fill("filler");
+    std::thread::sleep(3 * SECS);
+    fill("filler-2");
     std::thread::sleep(6 * SECS);
     let full = f
         .metric("firn_enricher_sink_disk_full_total")
@@ -430,7 +436,9 @@ fn full_disk_pauses_and_resumes() {
         "enricher died on a full disk"
     );
     let written = f.metric("firn_enricher_rounds_written_total").unwrap();
-    std::fs::remove_file(&filler).unwrap();
+    for name in ["filler", "filler-2"] {
+        std::fs::remove_file(f.out.join(name)).unwrap();
+    }
     std::thread::sleep(6 * SECS);
     assert!(
         f.metric("firn_enricher_rounds_written_total").unwrap() > written,
