@@ -211,6 +211,10 @@ impl Builder {
         if let Some(p) = padding_from {
             coder.push(&mut k, p - base, NAMELESS, b"");
         }
+        // Padding entries may have grown the lists past the named symbols' count.
+        k.offsets.shrink_to_fit();
+        k.pads.shrink_to_fit();
+        k.checkpoints.shrink_to_fit();
         k.names.shrink_to_fit();
         k
     }
@@ -344,10 +348,41 @@ ffffffffc0001000 t mod_fn\t[kvm]\n\
                 addr += 0x1000;
             }
         }
+        // Padding of 254 and 255 bytes (the widest a byte tells, and one more), several
+        // padding symbols before one symbol, aliases, padding at a symbol's address, and
+        // names longer than 255 bytes sharing more than that.
+        let long = "k".repeat(300);
+        for (i, pad) in [254_u64, 255, 16].into_iter().enumerate() {
+            text += &format!("{addr:x} t __pfx_wide{i}\n");
+            addr += pad;
+            text += &format!("{addr:x} t wide{i}\n");
+            addr += 0x80;
+        }
+        text += &format!("{addr:x} t __pfx_twice\n{:x} t __pfx_twice\n", addr + 8);
+        addr += 16;
+        text += &format!("{addr:x} t twice\n{addr:x} t twice_alias\n");
+        addr += 0x40;
+        text += &format!("{addr:x} t __pfx_same\n{addr:x} t same\n");
+        addr += 0x40;
+        text += &format!("{addr:x} t {long}a\n");
+        addr += 0x40;
+        text += &format!("{addr:x} t {long}b\n");
+        addr += 0x40;
+        // Padding last, with nothing after it.
+        text += &format!("{addr:x} t __pfx_end\n");
+        // Lines out of address order.
+        let mut lines: Vec<&str> = text.lines().collect();
+        lines.reverse();
+        let text = lines.join("\n");
         let k = Kallsyms::parse(text.as_bytes());
         let first = k.lookup(0xffff_ffff_8100_0000).expect("the first symbol");
         assert_eq!(k.name(first), b"ext4_fn0");
+        let b = k.lookup(addr - 0x40).expect("the last symbol");
+        assert_eq!(k.name(b), format!("{long}b").as_bytes());
+        assert_eq!(k.lookup(addr + 1), None, "padding at the end");
         assert!(check_against_reference(text.as_bytes()) > 500);
+        assert!(k.name(u32::MAX).is_empty());
+        assert!(Kallsyms::empty().name(0).is_empty());
     }
 
     #[test]

@@ -3,7 +3,8 @@
 part's exec storm. Every 5 s through the storm and every 10 s for 40 s after it: the
 sampler's VmRSS, RssAnon and RssFile (/proc/<pid>/status) and its own gauges
 (heap_used_bytes and heap_free_bytes from glibc's mallinfo2, processes_known), so a
-peak can be told apart into code pages, the heap and the records held.
+peak can be told apart into code pages, the heap and the records held. The enricher's
+peak (VmHWM) is reported beside.
 
   sudo python3 tests/bench/sampler_storm.py [--b target/release/firn-sampler] \\
       [--a OLD/firn-sampler] [--pairs 2] [--seconds 60]
@@ -70,8 +71,9 @@ def storm(out, binary, seconds, rate):
         print("   after:", json.dumps(after[-1]), flush=True)
         m = f.metrics()
     finally:
-        f.stop()
+        stopped = f.stop()
     return {
+        "enricher_peak_mib": round(stopped.get("rss_peak_enricher_kib", 0) / 1024, 2),
         "peak_mib": max(p["VmHWM"] for p in during + after),
         "rss_max_mib": max(p["VmRSS"] for p in during),
         "anon_max_mib": max(p["RssAnon"] for p in during),
@@ -104,7 +106,8 @@ def main():
             r = storm(out, binary, args.seconds, args.rate)
             print(f"run {i + 1} {name}:", json.dumps(r), flush=True)
             results[name].append(r)
-    for key in ("peak_mib", "rss_max_mib", "anon_max_mib", "heap_used_max_mib", "heap_used_after_mib"):
+    for key in ("peak_mib", "rss_max_mib", "anon_max_mib", "heap_used_max_mib", "heap_used_after_mib",
+                "enricher_peak_mib"):
         med = {n: statistics.median(r[key] for r in rs) for n, rs in results.items()}
         line = "  ".join(f"{n} {v:.2f} ({min(r[key] for r in results[n]):.2f}-"
                          f"{max(r[key] for r in results[n]):.2f})" for n, v in med.items())
