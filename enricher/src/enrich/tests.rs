@@ -296,20 +296,21 @@ fn an_announced_process_gets_its_tables_before_any_round_within_the_budget() {
     );
 }
 
+/// Runs `f` on a current-thread runtime, as the enricher does (builds aside need one).
+fn on_runtime<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime")
+        .block_on(f)
+}
+
 #[test]
 fn a_large_files_table_is_built_aside_and_a_small_one_announced_meanwhile_is_not_held_up() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
+    on_runtime(async {
         let addr = marker_function();
         let mut e = enricher();
         let link = FakeLink::default();
-        // The link serves this binary for every file; the mapping's size makes it large.
-        let mut big = batch(1, addr, true).processes;
-        let m = &mut big[0].mappings[0];
-        m.end = m.start + (64 << 20);
-        let big_file = (dev_of(m), m.inode);
+        let (mut big, big_file) = large_announcement(addr, 1);
         big[0].first_sample_ns = firn_schema::boot_ns();
         e.announced(big, Some(&link)).await;
         assert!(e.early.building(big_file));
@@ -336,7 +337,8 @@ fn a_large_files_table_is_built_aside_and_a_small_one_announced_meanwhile_is_not
     });
 }
 
-/// A process announced with a mapping made large (64 MiB), and its file.
+/// A process announced with a mapping made large (64 MiB), and its file. The fake link
+/// serves this binary for every file; only the mapping's size makes it large.
 fn large_announcement(addr: u64, version: u32) -> (Vec<Process>, (u64, u64)) {
     let mut big = batch(1, addr, true).processes;
     let m = &mut big[0].mappings[0];
@@ -348,10 +350,7 @@ fn large_announcement(addr: u64, version: u32) -> (Vec<Process>, (u64, u64)) {
 
 #[test]
 fn a_table_built_aside_goes_to_the_record_as_it_is_when_done_and_not_to_another_session() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
+    on_runtime(async {
         let addr = marker_function();
         let mut e = enricher();
         let link = FakeLink::default();
