@@ -128,6 +128,50 @@ impl Early {
             .is_some_and(|f| w.class() == 1 || f.want.file == w.file)
     }
 
+    /// Queues a file that wants its table, unless it waits already (false). Past
+    /// `MAX_WAITING` the oldest gives way (counted); its round sends it.
+    fn push(&mut self, w: Want, m: &Metrics) -> bool {
+        if !self.queued.insert(w.file) {
+            return false;
+        }
+        if self.queue.len() >= MAX_WAITING {
+            if let Some(old) = self.queue.pop_front() {
+                self.queued.remove(&old.file);
+                self.waiting_since.remove(&old.file);
+            }
+            Metrics::inc(&m.unwind_tables_early_overflow);
+        }
+        self.queue.push_back(w);
+        true
+    }
+
+    /// Whether a round leaves the table of `file` (mapped `size` bytes by mapping
+    /// `index` of process `process_id`) to this queue: a large file's table is built off
+    /// the loop, whoever asks for it, so a round does not hold up announcements behind
+    /// a compiler's `libLLVM`. It is queued (if it is not already, or being built) and
+    /// worked within the large files' budget. Without a runtime (the round's tests, the
+    /// fuzz target) the round builds it itself.
+    pub(super) fn defer_large(
+        &mut self,
+        (process_id, index, file): (u64, usize, (u64, u64)),
+        size: u64,
+        m: &Metrics,
+    ) -> bool {
+        let w = Want {
+            process_id,
+            index,
+            file,
+            size,
+        };
+        if w.class() == 0 || tokio::runtime::Handle::try_current().is_err() {
+            return false;
+        }
+        if !self.building(file) && self.push(w, m) {
+            Metrics::inc(&m.unwind_tables_deferred);
+        }
+        true
+    }
+
     /// Everything forgotten for a new sampler session, but a build under way: it
     /// cannot be stopped, so it goes on (its table kept on disk when done) and no other
     /// large build starts beside it.
@@ -200,22 +244,15 @@ impl Enricher {
                         let since = self.early.waiting_since.entry(file).or_insert(first);
                         *since = (*since).min(first);
                     }
-                    if !self.early.queued.insert(file) {
-                        continue;
-                    }
-                    if self.early.queue.len() >= MAX_WAITING {
-                        if let Some(w) = self.early.queue.pop_front() {
-                            self.early.queued.remove(&w.file);
-                            self.early.waiting_since.remove(&w.file);
-                        }
-                        Metrics::inc(&self.metrics.unwind_tables_early_overflow);
-                    }
-                    self.early.queue.push_back(Want {
-                        process_id: id,
-                        index: i,
-                        file,
-                        size: m.end.saturating_sub(m.start),
-                    });
+                    self.early.push(
+                        Want {
+                            process_id: id,
+                            index: i,
+                            file,
+                            size: m.end.saturating_sub(m.start),
+                        },
+                        &self.metrics,
+                    );
                 }
             }
         }

@@ -76,13 +76,18 @@ impl Enricher {
         }
         let t0 = std::time::Instant::now();
         for (pid_id, idx, file) in wanted {
+            let Some(e) = self.processes.get(pid_id) else {
+                continue;
+            };
+            let m = &e.record.mappings[idx];
+            let size = m.end.saturating_sub(m.start);
+            if self.early.defer_large((pid_id, idx, file), size, &self.metrics) {
+                continue;
+            }
             if t0.elapsed() > TABLE_TIME_PER_ROUND {
                 // The rest next round: a round is not held up by a node's big binaries.
                 break;
             }
-            let Some(e) = self.processes.get(pid_id) else {
-                continue;
-            };
             let version = e.record.mappings_version;
             let path = e.record.mappings[idx].path.clone();
             let state = self

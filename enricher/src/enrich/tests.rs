@@ -384,6 +384,40 @@ fn a_table_built_aside_goes_to_the_record_as_it_is_when_done_and_not_to_another_
 }
 
 #[test]
+fn a_round_leaves_a_large_files_table_to_the_build_aside() {
+    on_runtime(async {
+        let addr = marker_function();
+        let mut e = enricher();
+        let link = FakeLink::default();
+        // A process the round meets first (not announced), mapping a large file.
+        let mut b = batch(1, addr, true);
+        let m = &mut b.processes[0].mappings[0];
+        m.end = m.start + (64 << 20);
+        let file = (dev_of(m), m.inode);
+        e.handle(b, Some(&link)).await;
+        assert_eq!(link.loaded_rows.get(), 0, "not built inside the round");
+        let m = &e.metrics;
+        assert_eq!(m.unwind_tables_deferred.load(Ordering::Relaxed), 1);
+        e.early_work(&link).await;
+        assert!(e.early.building(file));
+        // The next round neither builds it nor queues it again.
+        e.handle(batch(2, addr, false), Some(&link)).await;
+        assert_eq!(link.loaded_rows.get(), 0);
+        assert_eq!(e.metrics.unwind_tables_deferred.load(Ordering::Relaxed), 1);
+        let built = e.built_aside().await;
+        e.finish_aside(built, Some(&link)).await;
+        assert!(link.loaded_rows.get() > 100, "sent once built");
+    });
+    // Without a runtime (the fuzz target) the round builds it itself.
+    let mut e = enricher();
+    let link = FakeLink::default();
+    let mut b = batch(1, marker_function(), true);
+    b.processes[0].mappings[0].end += 64 << 20;
+    run(e.handle(b, Some(&link)));
+    assert!(link.loaded_rows.get() > 100);
+}
+
+#[test]
 fn tables_kept_on_disk_are_read_back_without_a_build() {
     let addr = marker_function();
     let dir = std::env::temp_dir().join(format!("firn-enrich-uwc-{}", std::process::id()));
