@@ -1,10 +1,11 @@
 //! The sampler's checks of unwind table chunks from a subscriber: arbitrary bytes as a
 //! chunk never panic, and whatever passes is sorted and in range (what the BPF unwinder
-//! is given: whole-word offsets only). The row pool's allocator, driven by the same bytes, never hands out
+//! is given: whole-word offsets only), and its page directory finds the rows a search of
+//! the whole table finds. The row pool's allocator, driven by the same bytes, never hands out
 //! overlapping runs or more rows than it has.
 #![no_main]
 
-use firn_sampler::{check_rows, Pool, ROW_BYTES};
+use firn_sampler::{check_rows, pages, PageIndex, Pool, ROW_BYTES};
 use firn_schema::unwind_row::Row;
 use libfuzzer_sys::fuzz_target;
 
@@ -38,6 +39,22 @@ fuzz_target!(|data: &[u8]| {
         assert!(parsed.windows(2).all(|w| w[0].pc < w[1].pc));
         assert!(prev.is_none_or(|p| parsed[0].pc > p));
         assert_eq!(parsed.last().map(|r| r.pc), Some(last));
+
+        // The page directory the sampler builds from these rows: within its room, and
+        // the search from an offset's page finds the row a search of the whole table does.
+        let pcs: Vec<u32> = parsed.iter().map(|r| r.pc).collect();
+        let mut ix = PageIndex::new(pcs.len() as u32);
+        pcs.iter().for_each(|&pc| ix.push(pc));
+        let dir = ix.finish();
+        assert!(dir.entries.len() as u32 <= pages::capacity(pcs.len() as u32));
+        let mut offs: Vec<u32> = vec![0, u32::MAX, u32::from_le_bytes([data[1], data[2], data[3], data[4]])];
+        for &pc in &pcs {
+            offs.extend([pc.wrapping_sub(1), pc, pc.wrapping_add(1), pc.wrapping_add(4096)]);
+        }
+        for off in offs {
+            let whole = pcs.partition_point(|&pc| pc <= off).checked_sub(1);
+            assert_eq!(pages::find(&pcs, &dir, off).0, whole, "off {off:#x}");
+        }
     }
 
     // Pool: alloc (even byte) or release (odd byte) runs, checked against a model.

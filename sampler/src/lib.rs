@@ -40,4 +40,5 @@ pub use handles::Handles;
 pub use hub::Hub;
 pub use procfs::MAX_RECORD_BYTES;
 pub use rpc::{handle as handle_connection, Identity, Shared};
+pub use unwind::pages::{self, PageIndex};
 pub use unwind::{check_rows, Pool, Unwind, ROW_BYTES};

@@ -163,8 +163,12 @@ struct firn_file_key {
 
 /* Where a file's rows are in the `rows` array. */
 struct firn_table {
-	__u32 first;
+	__u32 first;              /* its rows in `rows`: first .. first + count */
 	__u32 count;
+	__u32 base;               /* the first row's pc: page 0 starts there */
+	__u16 pages;              /* directory entries after the rows (>= 1) */
+	__u8 shift;               /* pages are 2^shift bytes */
+	__u8 pad;
 };
 
 /* A process's executable mappings fit a 2 KiB allocation (the map is not preallocated:

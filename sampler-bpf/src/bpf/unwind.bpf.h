@@ -41,8 +41,10 @@ struct firn_mapping_memo {
 	__u64 offset;
 	__u32 first;
 	__u32 count;
-	__u32 kind;                /* enum firn_mapping_kind; 0: empty */
-	__u32 pad;
+	__u32 base;
+	__u16 pages;
+	__u8 shift;
+	__u8 kind;                 /* enum firn_mapping_kind; 0: empty */
 };
 
 /* The walk of one stack, per CPU. Kept in a map value, not on the BPF stack: the
@@ -75,6 +77,10 @@ struct firn_unwind_state {
 	__u64 c_offset;
 	__u32 c_first;
 	__u32 c_count;
+	__u32 c_base;              /* the table's page directory (struct firn_table) */
+	__u16 c_pages;
+	__u8 c_shift;
+	__u8 c_pad;
 	/* A copy of the stack from win_base up, win_len bytes (0: none), read in this walk
 	 * (read_stack). Never leaves BPF: the walk takes from it the words it would have
 	 * read one by one, and no others. */

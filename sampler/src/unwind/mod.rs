@@ -25,6 +25,7 @@ use crate::counters::{add, bump, Counters};
 use crate::procfs::{Mapping, ProcessRecord};
 
 pub(crate) mod ends;
+pub mod pages;
 pub(crate) mod python;
 mod rows;
 pub use rows::{check_rows, Pool, TableError};
@@ -41,6 +42,8 @@ pub(crate) const MAX_TABLE_ROWS: u32 = (1 << 24) - 1;
 pub(crate) const DEFAULT_POOL_ROWS: u32 = 2 << 20;
 /// Default row limit of one table (`--unwind-table-rows`): 8 MiB.
 pub(crate) const DEFAULT_TABLE_ROWS: u32 = 1 << 20;
+/// `firn_table.pages` is a u16.
+const _: () = assert!(pages::MAX_PAGES <= u16::MAX as u32);
 /// Files with a table at once (`tables` map entries).
 pub(crate) const MAX_TABLES: usize = 4096;
 /// Executable mappings of a process the unwinder sees (`FIRN_MAX_MAPPINGS`).
@@ -99,6 +102,7 @@ struct Maps {
 #[derive(Debug, Clone, Copy)]
 struct Installed {
     first: u32,
+    /// Its run in the pool: the rows, then the page directory.
     count: u32,
     /// Install order, for evicting the oldest unused table first.
     seq: u64,
@@ -111,6 +115,9 @@ struct Pending {
     total: u32,
     next: u32,
     last_pc: Option<u32>,
+    /// Its run in the pool: the rows, then room for the page directory.
+    run: u32,
+    pages: pages::PageIndex,
     /// Time spent on its chunks so far (checks, writes, publication).
     spent: std::time::Duration,
 }
@@ -233,7 +240,8 @@ impl Unwind {
             if total > limit {
                 return Err(TableError::TooLarge { rows: total, limit });
             }
-            let first = self.alloc(total, file)?;
+            let run = total + pages::capacity(total);
+            let first = self.alloc(run, file)?;
             self.owner = Some(owner);
             self.pending = Some(Pending {
                 file,
@@ -241,6 +249,8 @@ impl Unwind {
                 total,
                 next: 0,
                 last_pc: None,
+                run,
+                pages: pages::PageIndex::new(total),
                 spent: std::time::Duration::ZERO,
             });
         }
@@ -269,6 +279,9 @@ impl Unwind {
         let Some(mut p) = self.pending.take() else {
             return Err(TableError::OutOfOrder);
         };
+        for row in bytes.chunks_exact(ROW_BYTES) {
+            p.pages.push(u32::from_ne_bytes([row[0], row[1], row[2], row[3]]));
+        }
         p.next = next + n;
         p.last_pc = Some(last);
         if p.next < p.total {
@@ -313,17 +326,31 @@ impl Unwind {
         Err(TableError::NoRoom { rows })
     }
 
-    fn publish(&mut self, p: Pending) -> Result<(), TableError> {
+    fn publish(&mut self, mut p: Pending) -> Result<(), TableError> {
         let c = self.counters.clone();
+        let dir = std::mem::replace(&mut p.pages, pages::PageIndex::new(0)).finish();
+        let Some(maps) = &self.maps else {
+            self.pool.release(p.first, p.run);
+            return Err(TableError::Map(-libc::ENODEV));
+        };
+        // The directory after the rows; the room it did not need goes back.
+        let len = dir.entries.len() as u32;
+        let bytes: Vec<u8> = dir.entries.iter().flat_map(|e| e.to_ne_bytes()).collect();
+        if let Err(e) = write_rows(&maps.rows, p.first + p.total, &bytes) {
+            self.pool.release(p.first, p.run);
+            return Err(e);
+        }
+        self.pool.release(p.first + p.total + len, p.run - p.total - len);
+        p.run = p.total + len;
         let value = firn_sampler_bpf::types::firn_table {
             first: p.first,
             count: p.total,
+            base: dir.base,
+            pages: len as u16,
+            shift: dir.shift,
+            ..Default::default()
         };
         let key = p.file.bytes();
-        let Some(maps) = &self.maps else {
-            self.pool.release(p.first, p.total);
-            return Err(TableError::Map(-libc::ENODEV));
-        };
         // SAFETY: key is 16 bytes (firn_file_key), value a firn_table; both outlive the
         // call.
         let ret = unsafe {
@@ -335,7 +362,7 @@ impl Unwind {
             )
         };
         if ret < 0 {
-            self.pool.release(p.first, p.total);
+            self.pool.release(p.first, p.run);
             return Err(TableError::Map(ret));
         }
         // A replaced table's run is released below and may be reused.
@@ -345,7 +372,7 @@ impl Unwind {
             p.file,
             Installed {
                 first: p.first,
-                count: p.total,
+                count: p.run,
                 seq: self.seq,
             },
         ) {
@@ -374,7 +401,7 @@ impl Unwind {
 
     fn abandon_pending(&mut self) {
         if let Some(p) = self.pending.take() {
-            self.pool.release(p.first, p.total);
+            self.pool.release(p.first, p.run);
         }
     }
 
