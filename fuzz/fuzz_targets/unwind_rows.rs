@@ -51,6 +51,17 @@ fuzz_target!(|data: &[u8]| {
         for &pc in &pcs {
             offs.extend([pc.wrapping_sub(1), pc, pc.wrapping_add(1), pc.wrapping_add(4096)]);
         }
+        // Each page: a run within the table that starts at or below the page, and the
+        // offsets at its edges.
+        for (p, &e) in dir.entries.iter().enumerate() {
+            let (lo, hi) = (e as u32 as usize, (e >> 32) as usize);
+            let start = u64::from(dir.base) + ((p as u64) << dir.shift);
+            assert!(lo < hi && hi <= pcs.len(), "page {p}: {lo}..{hi}");
+            assert!(u64::from(pcs[lo]) <= start || lo == 0, "page {p}");
+            for o in [start.wrapping_sub(1), start, start + 1] {
+                offs.push(o.min(u64::from(u32::MAX)) as u32);
+            }
+        }
         for off in offs {
             let whole = pcs.partition_point(|&pc| pc <= off).checked_sub(1);
             assert_eq!(pages::find(&pcs, &dir, off).0, whole, "off {off:#x}");

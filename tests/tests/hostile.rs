@@ -77,6 +77,9 @@ fn hostile_clients_are_counted_and_cut_off() {
         ("table-unknown", "unwind_tables_refused_unknown", false),
         ("table-never-issued", "broker_requests_never_issued", true),
         ("table-flood", "request_floods", true),
+        // Rows spread to make the page directory large: taken, with pages grown to fit
+        // the directory's room (the pool's use is checked below).
+        ("table-spread", "unwind_rows_loaded", false),
     ];
     for (scenario, counter_name, must_close) in cases {
         let before = batches(&good).len();
@@ -123,6 +126,18 @@ fn hostile_clients_are_counted_and_cut_off() {
             "{scenario}: sampler peak RSS {hwm} KiB over the bound"
         );
         eprintln!("{scenario}: {r}; {counter_name} {seen}; sampler VmHWM {hwm} KiB");
+        if scenario == "table-spread" {
+            // 16,384 rows and their directory: at most an eighth more, however spread.
+            let in_use = batches(&good)[before..]
+                .iter()
+                .filter_map(|b| counter(b, "unwind_rows_in_use"))
+                .max()
+                .unwrap_or(0);
+            assert!(
+                in_use > 16_384 && in_use <= 16_384 + 2_048,
+                "table-spread: {in_use} rows in the pool"
+            );
+        }
     }
 
     // More connections than the limit: the extra ones are refused at once; silent ones

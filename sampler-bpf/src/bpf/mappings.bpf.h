@@ -19,10 +19,14 @@ struct {
 	__type(value, struct firn_unwind_row);
 } rows SEC(".maps");
 
-/* File → its run in `rows`. */
+/* File → its run in `rows` and its page directory. Not preallocated: a preallocated
+ * hash hands a replaced element to the next update at once, so a walk holding it could
+ * read one table's run with another's directory; here it is freed after the walks that
+ * may hold it, and an idle node's few dozen tables take only their own memory. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 4096);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__type(key, struct firn_file_key);
 	__type(value, struct firn_table);
 } tables SEC(".maps");

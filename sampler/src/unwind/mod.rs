@@ -28,6 +28,7 @@ pub(crate) mod ends;
 pub mod pages;
 pub(crate) mod python;
 mod rows;
+use rows::write_rows;
 pub use rows::{check_rows, Pool, TableError};
 
 /// Bytes of one row on the wire and in the `rows` map.
@@ -280,7 +281,8 @@ impl Unwind {
             return Err(TableError::OutOfOrder);
         };
         for row in bytes.chunks_exact(ROW_BYTES) {
-            p.pages.push(u32::from_ne_bytes([row[0], row[1], row[2], row[3]]));
+            p.pages
+                .push(u32::from_le_bytes([row[0], row[1], row[2], row[3]]));
         }
         p.next = next + n;
         p.last_pc = Some(last);
@@ -340,7 +342,8 @@ impl Unwind {
             self.pool.release(p.first, p.run);
             return Err(e);
         }
-        self.pool.release(p.first + p.total + len, p.run - p.total - len);
+        self.pool
+            .release(p.first + p.total + len, p.run - p.total - len);
         p.run = p.total + len;
         let value = firn_sampler_bpf::types::firn_table {
             first: p.first,
@@ -389,7 +392,8 @@ impl Unwind {
             let key = file.bytes();
             if let Some(m) = &self.maps {
                 // SAFETY: key is a 16-byte firn_file_key. Deleted before the run is
-                // reused, so the program never reads another file's rows for this one.
+                // reused, so a walk that starts after this never reads another file's
+                // rows for this one (one under way may: wrong rows, still rule 9's).
                 unsafe {
                     libbpf_sys::bpf_map_delete_elem(m.tables.as_raw_fd(), key.as_ptr().cast())
                 };
@@ -555,56 +559,4 @@ impl Unwind {
             }
         }
     }
-}
-
-/// Copies rows into the `rows` array from index `at`, through a shared mapping of the
-/// pages that hold them, unmapped again at once (the sampler's RSS does not keep the
-/// pool). The array is mmapable (`BPF_F_MMAPABLE`): its values lie back to back, 8 bytes
-/// each, as the program reads them. The rows were checked before they come here.
-fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
-    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
-    if bytes.is_empty() {
-        return Ok(());
-    }
-    let page = page_size();
-    let start = at as usize * ROW_BYTES;
-    let offset = start - start % page;
-    let len = (start - offset + bytes.len()).div_ceil(page) * page;
-    let (Some(nonzero), Ok(off)) = (std::num::NonZeroUsize::new(len), i64::try_from(offset)) else {
-        return Err(TableError::Map(-libc::EINVAL));
-    };
-    // SAFETY: a fresh shared mapping of the array's pages, never aliased by Rust
-    // references; only its bytes from `start - offset` on are written, within `len`
-    // (the pool's runs lie inside the array, so the kernel refuses nothing in range).
-    let window = unsafe {
-        mmap(
-            None,
-            nonzero,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_SHARED,
-            rows,
-            off,
-        )
-    }
-    .map_err(|e| TableError::Map(-(e as i32)))?;
-    // SAFETY: the window is `len` bytes, writable; the copy's end `start - offset +
-    // bytes.len()` is at most `len`, and `bytes` is not in the window.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            bytes.as_ptr(),
-            window.as_ptr().cast::<u8>().add(start - offset),
-            bytes.len(),
-        );
-    }
-    // SAFETY: the window mapped above, `len` bytes; nothing refers to it after this.
-    unsafe { munmap(window, len) }.map_err(|e| TableError::Map(-(e as i32)))
-}
-
-fn page_size() -> usize {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
-        .ok()
-        .flatten()
-        .and_then(|p| usize::try_from(p).ok())
-        .filter(|p| p.is_power_of_two())
-        .unwrap_or(4096)
 }

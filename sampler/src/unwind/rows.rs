@@ -2,6 +2,8 @@
 
 use firn_schema::unwind_row::{self as row_kinds, Row};
 
+use std::os::fd::OwnedFd;
+
 use super::ROW_BYTES;
 
 /// What is wrong with a chunk or a table.
@@ -122,6 +124,58 @@ impl Pool {
     pub fn free_rows(&self) -> u32 {
         self.free.iter().map(|&(_, n)| n).sum()
     }
+}
+
+/// Copies rows into the `rows` array from index `at`, through a shared mapping of the
+/// pages that hold them, unmapped again at once (the sampler's RSS does not keep the
+/// pool). The array is mmapable (`BPF_F_MMAPABLE`): its values lie back to back, 8 bytes
+/// each, as the program reads them. The rows were checked before they come here.
+pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
+    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let page = page_size();
+    let start = at as usize * ROW_BYTES;
+    let offset = start - start % page;
+    let len = (start - offset + bytes.len()).div_ceil(page) * page;
+    let (Some(nonzero), Ok(off)) = (std::num::NonZeroUsize::new(len), i64::try_from(offset)) else {
+        return Err(TableError::Map(-libc::EINVAL));
+    };
+    // SAFETY: a fresh shared mapping of the array's pages, never aliased by Rust
+    // references; only its bytes from `start - offset` on are written, within `len`
+    // (the pool's runs lie inside the array, so the kernel refuses nothing in range).
+    let window = unsafe {
+        mmap(
+            None,
+            nonzero,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            rows,
+            off,
+        )
+    }
+    .map_err(|e| TableError::Map(-(e as i32)))?;
+    // SAFETY: the window is `len` bytes, writable; the copy's end `start - offset +
+    // bytes.len()` is at most `len`, and `bytes` is not in the window.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            window.as_ptr().cast::<u8>().add(start - offset),
+            bytes.len(),
+        );
+    }
+    // SAFETY: the window mapped above, `len` bytes; nothing refers to it after this.
+    unsafe { munmap(window, len) }.map_err(|e| TableError::Map(-(e as i32)))
+}
+
+fn page_size() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .and_then(|p| usize::try_from(p).ok())
+        .filter(|p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 #[cfg(test)]

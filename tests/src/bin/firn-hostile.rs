@@ -244,7 +244,8 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
             return slowloris(&sock).await;
         }
         "never-issued" | "unknown-process" | "fd-flood" | "table-unsorted" | "table-bad-kind"
-        | "table-oversized" | "table-unknown" | "table-never-issued" | "table-flood" => {
+        | "table-oversized" | "table-unknown" | "table-never-issued" | "table-flood"
+        | "table-spread" => {
             let sink: batch_sink::Client = capnp_rpc::new_client(Sink {
                 target: target.clone(),
             });
@@ -316,6 +317,18 @@ async fn scenario_rpc(sock: String, scenario: String) -> String {
                             _ => errors += 1,
                         }
                     }
+                }
+                "table-spread" => {
+                    // Well-formed rows spread over the whole 4 GiB of offsets, one per
+                    // 256 KiB: the sampler's page directory must stay within its room
+                    // (pages grow instead), and the table is taken.
+                    let rows: Vec<u8> = (0..16_384u32).flat_map(|i| row(i << 18, 1)).collect();
+                    match table(pid, version, 0, 16_384, rows).await {
+                        Ok(r) if !refused(&r) => answered += 1,
+                        _ => errors += 1,
+                    }
+                    // Held for a few rounds, so the pool's gauge shows it.
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
                 }
                 "table-never-issued" => {
                     if table(pid + 1_000_000, version, 0, 1, row(0x10, 1))
