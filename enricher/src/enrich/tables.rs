@@ -81,7 +81,10 @@ impl Enricher {
             };
             let m = &e.record.mappings[idx];
             let size = m.end.saturating_sub(m.start);
-            if self.early.defer_large((pid_id, idx, file), size, &self.metrics) {
+            if self
+                .early
+                .defer_large((pid_id, idx, file), size, &self.metrics)
+            {
                 continue;
             }
             if t0.elapsed() > TABLE_TIME_PER_ROUND {
