@@ -75,7 +75,8 @@ pub(crate) struct Args {
     /// Rows of the unwind table pool shared by all binaries (0–67108864; 8 bytes each,
     /// kernel memory allocated at start: 2 Mi rows are 16 MiB). The enricher builds a
     /// table per binary from its CFI so that code without frame pointers unwinds whole;
-    /// tables of binaries no known process maps are evicted to make room. When the pool
+    /// each table takes its rows and a page directory of at most an eighth as many
+    /// entries. Tables of binaries no known process maps are evicted to make room. When the pool
     /// is full of tables in use, further tables are refused (unwind_tables_refused_budget;
     /// the log line names this flag) and those binaries are unwound by frame pointers.
     /// 0: no tables, frame pointers only.

@@ -148,7 +148,7 @@ counters! {
     unwind_tables_loaded: "unwind tables written into the BPF maps",
     unwind_rows_loaded: "unwind rows written into the BPF maps",
     unwind_table_load_ns: "nanoseconds the sampler spent taking in unwind tables (checking, writing and publishing their rows)",
-    unwind_rows_in_use: "unwind rows held in the row pool now (a gauge; see --unwind-rows)",
+    unwind_rows_in_use: "unwind rows and page-directory entries held in the row pool now (a gauge; see --unwind-rows)",
     heap_used_bytes: "bytes the sampler's allocator has handed out now (a gauge, at each round's end)",
     heap_free_bytes: "bytes the sampler's heap holds free now, in holes or not yet trimmed (a gauge, at each round's end)",
     processes_known: "processes the sampler holds records of now, ended ones kept for their subscribers included (a gauge, at each round's end)",
