@@ -104,7 +104,7 @@ struct Maps {
 struct Installed {
     first: u32,
     /// Its run in the pool: the rows, then the page directory.
-    count: u32,
+    run: u32,
     /// Install order, for evicting the oldest unused table first.
     seq: u64,
 }
@@ -375,11 +375,11 @@ impl Unwind {
             p.file,
             Installed {
                 first: p.first,
-                count: p.run,
+                run: p.run,
                 seq: self.seq,
             },
         ) {
-            self.pool.release(old.first, old.count);
+            self.pool.release(old.first, old.run);
         }
         bump(&c.unwind_tables_loaded);
         add(&c.unwind_rows_loaded, u64::from(p.total));
@@ -399,7 +399,7 @@ impl Unwind {
                 };
             }
             self.processes_changed();
-            self.pool.release(t.first, t.count);
+            self.pool.release(t.first, t.run);
         }
     }
 
