@@ -69,13 +69,55 @@ def one_run(kind, prof, hz, exe, seconds):
     return r
 
 
+def burn(seconds):
+    """Keeps one CPU busy in this process for `seconds`."""
+    end, n = time.time() + seconds, 0
+    while time.time() < end:
+        n += sum(range(1000))
+    return n
+
+
+class RestFirn(Firn):
+    """firn for the rest part. The harness (this Python) runs for a second before the
+    enricher starts, so the sampler has seen it and its tables are part of firn's
+    start-up wave, as every other program already running is. Otherwise its first
+    sample falls when it reads the counters at the window's start, and the idle window
+    measures the harness's own wave (~31 tables of this Python) instead of the node."""
+
+    def prepare(self, plan):
+        burn(1.0)
+
+
+# What a program firn has never seen costs ('new'): an interpreter other than the
+# harness's (so its binaries are new to firn), loading some extension modules and their
+# libraries, busy for half a second, then asleep.
+NEW_PROGRAM = ("import sys, time, json, decimal, hashlib, sqlite3, ssl, lzma, bz2, zlib, ctypes, csv\n"
+               "end = time.time() + 0.5\n"
+               "while time.time() < end: sum(range(1000))\n"
+               "time.sleep(float(sys.argv[1]))\n")
+
+
+def other_python():
+    """A Python interpreter that is not the one running the harness (Debian's or one of
+    pyenv's), or None."""
+    import glob
+    import sys
+    me = os.path.realpath(sys.executable)
+    pyenv = os.path.expanduser("~/.pyenv/versions")
+    for c in ["/usr/bin/python3"] + sorted(glob.glob(os.path.join(pyenv, "*/bin/python3"))):
+        if os.path.exists(c) and os.path.realpath(c) != me:
+            return c
+    return None
+
+
 def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
-    """firn's cost at rest ('idle'), beside a busy machine ('busy': busy.c on every
-    CPU) or beside four busy programs ('four': busy.c with and without frame pointers,
-    python3 and bash loops): CPU per half over `window` seconds after `warm` seconds
-    from its start, RSS every 2 s, peaks."""
+    """firn's cost at rest ('idle'), with a program it has never seen started at the
+    window's start ('new'), beside a busy machine ('busy': busy.c on every CPU) or
+    beside four busy programs ('four': busy.c with and without frame pointers, python3
+    and bash loops): CPU per half over `window` seconds after `warm` seconds from its
+    start, RSS every 2 s, peaks."""
     log(f"rest: {state} at {hz} Hz …")
-    w, others = None, []
+    w, others, newp = None, [], None
     life = warm + window + 3 * rnd + 30
     if state in ("busy", "four"):
         w, _ = start_workload(exe, life)
@@ -83,7 +125,7 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
         others = [start_workload(nofp, life)[0],
                   subprocess.Popen(["python3", "-c", "while True: pass"]),
                   subprocess.Popen(["bash", "-c", "while :; do :; done"])]
-    f = Firn(rnd)
+    f = RestFirn(rnd)
     f.start(hz)
     time.sleep(max(0.0, warm - (time.time() - f.t0)))
     s, e = f.pids()
@@ -92,6 +134,11 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     # come with its batches, so they lag the enricher's by up to a round.
     m0 = f.metrics()
     c0, t0 = {p: proc_cpu(p) for p in (s, e)}, time.time()
+    if state == "new":
+        py = other_python()
+        if py is None:
+            raise RuntimeError("rest 'new': no second Python interpreter (Debian's python3 or pyenv's)")
+        newp = subprocess.Popen([py, "-c", NEW_PROGRAM, str(window + 5)])
     points = []
     while time.time() - t0 < window:
         time.sleep(2)
@@ -100,7 +147,7 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     c1, t1 = {p: proc_cpu(p) for p in (s, e)}, time.time()
     m = f.metrics()
     res = f.stop(settle=False)
-    for p in ([w] if w else []) + others:
+    for p in ([w] if w else []) + others + ([newp] if newp else []):
         p.terminate()
         p.wait()
     last = points[-1] if points else (0, float("nan"), float("nan"))
