@@ -86,6 +86,7 @@ pub(crate) struct Sampling {
     /// The program's count of Python code objects copied, when `pycode` was last
     /// drained: unmoved, there is nothing to take (a node without Python never walks it).
     py_code_copied: Option<u64>,
+    counters: Rc<Counters>,
 }
 
 impl crate::rounds::MapSets for Sampling {
@@ -133,6 +134,20 @@ impl crate::rounds::MapSets for Sampling {
 
     fn counter(&self, slot: firn_sampler_bpf::types::firn_counter) -> Option<u64> {
         crate::drain::percpu_sum(&self.skel.maps.counters, slot.0)
+    }
+
+    fn all_counters(&self) -> Vec<Option<u64>> {
+        use firn_sampler_bpf::types::firn_counter as K;
+        let slots = K::FIRN_CTR_MAX.0;
+        match crate::drain::percpu_sums(self.skel.maps.counters.as_fd(), slots) {
+            Ok(all) => all.into_iter().map(Some).collect(),
+            Err(e) => {
+                // One lookup a counter, as before the batch: the same numbers, more calls.
+                crate::counters::bump(&self.counters.counter_batch_failures);
+                tracing::debug!(error = %e, "counters read one by one");
+                (0..slots).map(|s| self.counter(K(s))).collect()
+            }
+        }
     }
 
     fn cpus(&self) -> &[u32] {
@@ -306,7 +321,7 @@ pub(crate) fn load_and_attach(
             dup(&skel.maps.procepoch)?,
         ),
         limits,
-        counters,
+        counters.clone(),
     );
     let hooks = [
         skel.progs
@@ -360,6 +375,7 @@ pub(crate) fn load_and_attach(
         events,
         unwind: Rc::new(RefCell::new(unwind)),
         py_code_copied: None,
+        counters,
     })
 }
 
@@ -412,13 +428,33 @@ fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {
 }
 
 pub(crate) fn online_cpus() -> std::io::Result<Vec<u32>> {
-    let text = std::fs::read_to_string("/sys/devices/system/cpu/online")?;
+    let text = read_sysfs("/sys/devices/system/cpu/online")?;
     parse_cpu_list(&text).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!("unexpected CPU list {text:?}"),
         )
     })
+}
+
+/// A small sysfs file in one read (sysfs hands its whole text to the first read): open,
+/// read, close each round, where `read_to_string` adds a stat and a read that returns
+/// nothing. Longer texts are read on until the end.
+fn read_sysfs(path: &str) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut buf = vec![0u8; 256];
+    let mut len = 0;
+    loop {
+        let n = f.read(&mut buf[len..])?;
+        len += n;
+        if n == 0 || len < buf.len() {
+            break;
+        }
+        buf.resize(buf.len() * 2, 0);
+    }
+    buf.truncate(len);
+    String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// An online CPU the program does not sample: one that came online after setup, or an
@@ -452,6 +488,21 @@ fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_sysfs_file_in_one_read_reads_as_a_whole() {
+        let path = "/sys/devices/system/cpu/online";
+        let whole = std::fs::read_to_string(path).expect("the online CPU list");
+        assert_eq!(super::read_sysfs(path).expect("read"), whole);
+        // Longer than the first buffer: read on until the end.
+        let status = super::read_sysfs("/proc/self/status").expect("status");
+        assert!(
+            status.len() > 256 && status.starts_with("Name:"),
+            "{status}"
+        );
+        assert!(status.contains("\nThreads:"), "{status}");
+        assert!(super::read_sysfs("/sys/no/such/file").is_err());
+    }
+
     #[test]
     fn a_cpu_back_from_offline_is_noticed() {
         use super::unsampled_cpu as u;

@@ -47,6 +47,7 @@ counters! {
     bpf_kernel_stack_errors: "kernel stack reads failed unexpectedly",
     bpf_counts_map_full: "samples lost: counts map full",
     drain_errors: "rounds whose map drain failed",
+    counter_batch_failures: "rounds whose counters could not be read in one batch (read one by one instead)",
     stack_lookup_failures: "stacks referenced by a sample but missing from the stack map",
     samples_sent: "sample entries put into batches",
     user_stacks_truncated: "user stacks cut at a frame outside user space (unwinding garbage)",

@@ -325,6 +325,53 @@ fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
     }
 }
 
+/// Every slot of a per-CPU u64 array of `slots` entries, each summed over all CPUs, in
+/// one batch lookup: one system call a round for all the program's counters instead of
+/// one a counter.
+pub(crate) fn percpu_sums(map: BorrowedFd<'_>, slots: u32) -> Result<Vec<u64>, std::io::Error> {
+    let cpus = libbpf_rs::num_possible_cpus().map_err(|e| std::io::Error::other(e.to_string()))?;
+    let n_slots = slots as usize;
+    let mut keys = vec![0u32; n_slots];
+    let mut values = vec![0u64; n_slots * cpus];
+    let mut out_token = 0u32;
+    let mut n = slots;
+    let opts = batch_opts();
+    // SAFETY: `keys` holds `slots` u32 keys and `values` `slots` per-CPU values (8
+    // bytes a possible CPU, as the kernel copies them); the kernel writes at most `n`
+    // entries, and the token is one key.
+    let ret = unsafe {
+        libbpf_sys::bpf_map_lookup_batch(
+            map.as_raw_fd(),
+            std::ptr::null_mut(),
+            (&raw mut out_token).cast(),
+            keys.as_mut_ptr().cast(),
+            values.as_mut_ptr().cast(),
+            &mut n,
+            &opts,
+        )
+    };
+    // ENOENT: the array's end was reached within the batch; every slot was read if
+    // the count says so.
+    if ret < 0 && -ret != libc::ENOENT {
+        return Err(std::io::Error::from_raw_os_error(-ret));
+    }
+    if n != slots {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("{n} of {slots} counters read"),
+        ));
+    }
+    let mut sums = vec![0u64; n_slots];
+    for (i, &k) in keys.iter().enumerate() {
+        if let Some(sum) = sums.get_mut(k as usize) {
+            *sum = values[i * cpus..(i + 1) * cpus]
+                .iter()
+                .fold(0u64, |a, &v| a.wrapping_add(v));
+        }
+    }
+    Ok(sums)
+}
+
 /// Sums a per-CPU u64 array slot over all CPUs.
 pub(crate) fn percpu_sum(map: &dyn libbpf_rs::MapCore, slot: u32) -> Option<u64> {
     let vals = map

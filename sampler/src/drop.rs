@@ -165,6 +165,7 @@ const BPF_MAP_LOOKUP_ELEM: u64 = 1;
 const BPF_MAP_UPDATE_ELEM: u64 = 2;
 const BPF_MAP_DELETE_ELEM: u64 = 3;
 const BPF_MAP_LOOKUP_AND_DELETE_ELEM: u64 = 21;
+const BPF_MAP_LOOKUP_BATCH: u64 = 24;
 const BPF_MAP_LOOKUP_AND_DELETE_BATCH: u64 = 25;
 /// linux/perf_event.h: `_IO('$', 1)`.
 const PERF_EVENT_IOC_DISABLE: u64 = 0x2401;
@@ -270,13 +271,14 @@ macro_rules! allow_list {
                             BPF_MAP_LOOKUP_AND_DELETE_ELEM,
                             "BPF_MAP_LOOKUP_AND_DELETE_ELEM"
                         ),
+                        (BPF_MAP_LOOKUP_BATCH, "BPF_MAP_LOOKUP_BATCH"),
                         (
                             BPF_MAP_LOOKUP_AND_DELETE_BATCH,
                             "BPF_MAP_LOOKUP_AND_DELETE_BATCH"
                         ),
                     ],
                 },
-                "map commands on the fds it holds, its own maps (it cannot get another: no CAP_BPF, no CAP_SYS_ADMIN, no map creation, no program load; seccomp cannot see the fd inside bpf_attr): drain counts by batch and stacks by lookup (and delete); forget announced processes; write tables and process mappings (update); checked unwind rows are copied in through an `mmap` window, not written by command"
+                "map commands on the fds it holds, its own maps (it cannot get another: no CAP_BPF, no CAP_SYS_ADMIN, no map creation, no program load; seccomp cannot see the fd inside bpf_attr): drain counts by batch and stacks by lookup (and delete); read all counters by one batch; forget announced processes; write tables and process mappings (update); checked unwind rows are copied in through an `mmap` window, not written by command"
             ),
             allow!(SYS_accept4, Check::Any, SERVER),
             allow!(SYS_getsockopt, Check::Any, SERVER),

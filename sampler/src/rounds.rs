@@ -24,6 +24,13 @@ pub(crate) trait MapSets {
     fn drain(&mut self, set: u32) -> Result<Drained, DrainError>;
     /// A per-CPU counter of the program, summed over CPUs (cumulative).
     fn counter(&self, slot: firn_counter) -> Option<u64>;
+    /// Every counter of the program by slot, as [`MapSets::counter`] reads each. The
+    /// program's maps read them all at once.
+    fn all_counters(&self) -> Vec<Option<u64>> {
+        (0..firn_counter::FIRN_CTR_MAX.0)
+            .map(|slot| self.counter(firn_counter(slot)))
+            .collect()
+    }
     /// CPUs the program is attached to.
     fn cpus(&self) -> &[u32];
     /// Tells the program that these processes are no longer known, so that it announces
@@ -288,8 +295,9 @@ impl Rounds {
     }
 
     fn read_counters(&self, maps: &impl MapSets, c: &Counters) {
+        let all = maps.all_counters();
         for (slot, cell, loss) in bpf_counters(c) {
-            let Some(v) = maps.counter(slot) else {
+            let Some(&Some(v)) = all.get(slot.0 as usize) else {
                 continue;
             };
             let before = cell.replace(v);
