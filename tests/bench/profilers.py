@@ -146,11 +146,15 @@ class Firn:
         self.enricher = subprocess.Popen(enricher + list(enricher_extra), stdout=subprocess.DEVNULL,
                                          stderr=open(elog, "w"), env=env)
         wait_for_line(elog, plan["enricher_ready"], self.enricher)
+        self.ready()
         # Two rounds: connected, the first binaries loaded — the steady state.
         time.sleep(2 * self.rnd + 0.5)
 
     def prepare(self, plan):
         """Before the enricher starts, with the plan's user made (for subclasses)."""
+
+    def ready(self):
+        """Once the enricher is connected, before the two rounds of settling (for subclasses)."""
 
     def pids(self):
         return [self.sampler.pid, self.enricher.pid]

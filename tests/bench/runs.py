@@ -78,14 +78,20 @@ def burn(seconds):
 
 
 class RestFirn(Firn):
-    """firn for the rest part. The harness (this Python) runs for a second before the
-    enricher starts, so the sampler has seen it and its tables are part of firn's
-    start-up wave, as every other program already running is. Otherwise its first
-    sample falls when it reads the counters at the window's start, and the idle window
-    measures the harness's own wave (~31 tables of this Python) instead of the node."""
+    """firn for the rest part. The harness (this Python) is itself a program on the
+    node: left alone, its first samples fall when it reads firn's counters at the
+    window's start, and the idle window measures its own wave (~31 tables of this
+    Python, the modules that reading loads, their symbols) instead of the node. So for
+    a second, as soon as the enricher is connected, it reads the counters over and over:
+    its samples reach the enricher in the first round and its tables and symbols are
+    part of firn's start-up wave, as those of every program already running are. (Run
+    before the enricher started, the samples reached no one and the wave still fell in
+    the window.)"""
 
-    def prepare(self, plan):
-        burn(1.0)
+    def ready(self):
+        end = time.time() + 1.0
+        while time.time() < end:
+            self.metrics()
 
 
 # What a program firn has never seen costs ('new'): an interpreter other than the
