@@ -516,7 +516,9 @@ def main():
             for _ in range(args.rest_pairs):
                 for hz in freqs:
                     for state in ("idle", "new", "busy"):
-                        runs.append(rest_run(hz, state, exe, args.round))
+                        r = rest_run(hz, state, exe, args.round)
+                        if r is not None:
+                            runs.append(r)
                 runs.append(rest_run(max(freqs), "four", exe, args.round, nofp=nofp))
             res["rest"] = runs
         if "upload" in parts:

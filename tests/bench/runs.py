@@ -69,14 +69,6 @@ def one_run(kind, prof, hz, exe, seconds):
     return r
 
 
-def burn(seconds):
-    """Keeps one CPU busy in this process for `seconds`."""
-    end, n = time.time() + seconds, 0
-    while time.time() < end:
-        n += sum(range(1000))
-    return n
-
-
 class RestFirn(Firn):
     """firn for the rest part. The harness (this Python) is itself a program on the
     node: left alone, its first samples fall when it reads firn's counters at the
@@ -118,12 +110,17 @@ def other_python():
 
 def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     """firn's cost at rest ('idle'), with a program it has never seen started at the
-    window's start ('new'), beside a busy machine ('busy': busy.c on every CPU) or
+    window's start ('new'; None where the machine has no second Python), beside a busy machine ('busy': busy.c on every CPU) or
     beside four busy programs ('four': busy.c with and without frame pointers, python3
     and bash loops): CPU per half over `window` seconds after `warm` seconds from its
     start, RSS every 2 s, peaks."""
     log(f"rest: {state} at {hz} Hz …")
     w, others, newp = None, [], None
+    py = other_python() if state == "new" else None
+    if state == "new" and py is None:
+        # A machine with one Python: the harness's own binaries are not new to firn.
+        log("rest: new skipped: no Python interpreter other than the harness's (Debian's python3 or pyenv's)")
+        return None
     life = warm + window + 3 * rnd + 30
     if state in ("busy", "four"):
         w, _ = start_workload(exe, life)
@@ -140,10 +137,7 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     # come with its batches, so they lag the enricher's by up to a round.
     m0 = f.metrics()
     c0, t0 = {p: proc_cpu(p) for p in (s, e)}, time.time()
-    if state == "new":
-        py = other_python()
-        if py is None:
-            raise RuntimeError("rest 'new': no second Python interpreter (Debian's python3 or pyenv's)")
+    if py is not None:
         newp = subprocess.Popen([py, "-c", NEW_PROGRAM, str(window + 5)])
     points = []
     while time.time() - t0 < window:
