@@ -439,21 +439,10 @@ pub(crate) fn online_cpus() -> std::io::Result<Vec<u32>> {
 
 /// A small sysfs file in one read (sysfs hands its whole text to the first read): open,
 /// read, close each round, where `read_to_string` adds a stat and a read that returns
-/// nothing. Longer texts are read on until the end.
+/// nothing.
 fn read_sysfs(path: &str) -> std::io::Result<String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path)?;
-    let mut buf = vec![0u8; 256];
-    let mut len = 0;
-    loop {
-        let n = f.read(&mut buf[len..])?;
-        len += n;
-        if n == 0 || len < buf.len() {
-            break;
-        }
-        buf.resize(buf.len() * 2, 0);
-    }
-    buf.truncate(len);
+    let f = std::fs::File::open(path)?;
+    let buf = crate::procfs::read_short(&f, 1 << 16).map_err(std::io::Error::from)?;
     String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
@@ -493,7 +482,7 @@ mod tests {
         let path = "/sys/devices/system/cpu/online";
         let whole = std::fs::read_to_string(path).expect("the online CPU list");
         assert_eq!(super::read_sysfs(path).expect("read"), whole);
-        // Longer than the first buffer: read on until the end.
+        // A longer text, in seq_file's records: read on until the end.
         let status = super::read_sysfs("/proc/self/status").expect("status");
         assert!(
             status.len() > 256 && status.starts_with("Name:"),

@@ -327,7 +327,8 @@ fn batch_opts() -> libbpf_sys::bpf_map_batch_opts {
 
 /// Every slot of a per-CPU u64 array of `slots` entries, each summed over all CPUs, in
 /// one batch lookup: one system call a round for all the program's counters instead of
-/// one a counter.
+/// one a counter. (libbpf-rs's `lookup_batch` sizes values for one CPU, so not for
+/// per-CPU maps.)
 pub(crate) fn percpu_sums(map: BorrowedFd<'_>, slots: u32) -> Result<Vec<u64>, std::io::Error> {
     let cpus = libbpf_rs::num_possible_cpus().map_err(|e| std::io::Error::other(e.to_string()))?;
     let n_slots = slots as usize;

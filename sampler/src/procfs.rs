@@ -308,6 +308,30 @@ fn io_err(pid: u32, file: &'static str, e: nix::errno::Errno) -> ProcError {
     }
 }
 
+/// At most `max` bytes of a file whose kernel side hands over all it holds that fits in
+/// one read (a seq_file record such as stat or cgroup, cmdline, a sysfs attribute): a
+/// short read is its end, so no read is made just to see 0. (Not so for maps, which is
+/// read through a BufReader.)
+pub(crate) fn read_short(fd: impl AsFd, max: usize) -> nix::Result<Vec<u8>> {
+    let mut buf = vec![0u8; max.min(4096)];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            if len >= max {
+                break;
+            }
+            buf.resize((2 * len).min(max), 0);
+        }
+        let n = nix::unistd::read(&fd, &mut buf[len..])?;
+        len += n;
+        if n == 0 || len < buf.len() {
+            break;
+        }
+    }
+    buf.truncate(len);
+    Ok(buf)
+}
+
 fn read_bounded(
     dir: &OwnedFd,
     pid: u32,
@@ -329,25 +353,7 @@ fn read_bounded(
             source: e.into(),
         },
     };
-    let mut buf = vec![0u8; max.min(4096)];
-    let mut len = 0;
-    loop {
-        if len == buf.len() {
-            if len >= max {
-                break;
-            }
-            buf.resize((2 * len).min(max), 0);
-        }
-        let n = nix::unistd::read(&fd, &mut buf[len..]).map_err(err)?;
-        len += n;
-        // The files read here (stat, cgroup: one seq_file record; cmdline) hand over
-        // all they hold that fits in one read, so a short read is the end: no read
-        // just to see 0. (Not so for maps, which is read through a BufReader.)
-        if n == 0 || len < buf.len() {
-            break;
-        }
-    }
-    buf.truncate(len);
+    let mut buf = read_short(&fd, max).map_err(err)?;
     // A record keeps some of these (cgroup) for rounds: not with 4 KiB of spare room.
     buf.shrink_to_fit();
     Ok(buf)

@@ -2,9 +2,11 @@
 firn at rest, firn with its uploads, firn under scale. Each returns the numbers the
 report's tables are made of."""
 
+import glob
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,8 +100,6 @@ NEW_PROGRAM = ("import sys, time, json, decimal, hashlib, sqlite3, ssl, lzma, bz
 def other_python():
     """A Python interpreter that is not the one running the harness (Debian's or one of
     pyenv's), or None."""
-    import glob
-    import sys
     me = os.path.realpath(sys.executable)
     pyenv = os.path.expanduser("~/.pyenv/versions")
     for c in ["/usr/bin/python3"] + sorted(glob.glob(os.path.join(pyenv, "*/bin/python3"))):
