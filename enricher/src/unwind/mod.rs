@@ -3,6 +3,7 @@
 
 pub mod build;
 pub(crate) mod cache;
+mod order;
 
 use std::collections::HashMap;
 
