@@ -113,40 +113,44 @@ mod tests {
 
     #[test]
     fn tidy_sorts_merges_and_prefers_rules_over_markers() {
-        let t = tidy(sorted(vec![
-            row(0x20, k::CFA_RSP, 8),
-            row(0x10, k::CFA_RSP, 8),
-            row(0x18, k::CFA_RSP, 16),
-            row(0x20, k::CFA_NONE, 0),
-            row(0x28, k::CFA_RSP, 16),
-            row(0x30, k::CFA_NONE, 0),
-        ]));
-        assert_eq!(
-            t,
-            vec![
-                row(0x10, k::CFA_RSP, 8),
-                row(0x18, k::CFA_RSP, 16),
-                row(0x20, k::CFA_RSP, 8),
-                row(0x28, k::CFA_RSP, 16),
-                row(0x30, k::CFA_NONE, 0),
-            ]
-        );
-        // Two rules at one pc: the later FDE's (a PLT's empty last row, then .plt.got).
-        let t = tidy(sorted(vec![
-            row(0x10, k::CFA_RSP, 16),
-            row(0x20, k::CFA_PLT, 11),
-            row(0x20, k::CFA_NONE, 0),
-            row(0x20, k::CFA_RSP, 8),
-            row(0x28, k::CFA_NONE, 0),
-        ]));
-        assert_eq!(
-            t,
-            vec![
-                row(0x10, k::CFA_RSP, 16),
-                row(0x20, k::CFA_RSP, 8),
-                row(0x28, k::CFA_NONE, 0),
-            ]
-        );
+        let cases = [
+            (
+                "a rule beats the marker of the FDE before",
+                vec![
+                    row(0x20, k::CFA_RSP, 8),
+                    row(0x10, k::CFA_RSP, 8),
+                    row(0x18, k::CFA_RSP, 16),
+                    row(0x20, k::CFA_NONE, 0),
+                    row(0x28, k::CFA_RSP, 16),
+                    row(0x30, k::CFA_NONE, 0),
+                ],
+                vec![
+                    row(0x10, k::CFA_RSP, 8),
+                    row(0x18, k::CFA_RSP, 16),
+                    row(0x20, k::CFA_RSP, 8),
+                    row(0x28, k::CFA_RSP, 16),
+                    row(0x30, k::CFA_NONE, 0),
+                ],
+            ),
+            (
+                "of two rules at one pc, the later FDE's (a PLT's empty last row, then .plt.got)",
+                vec![
+                    row(0x10, k::CFA_RSP, 16),
+                    row(0x20, k::CFA_PLT, 11),
+                    row(0x20, k::CFA_NONE, 0),
+                    row(0x20, k::CFA_RSP, 8),
+                    row(0x28, k::CFA_NONE, 0),
+                ],
+                vec![
+                    row(0x10, k::CFA_RSP, 16),
+                    row(0x20, k::CFA_RSP, 8),
+                    row(0x28, k::CFA_NONE, 0),
+                ],
+            ),
+        ];
+        for (why, raw, want) in cases {
+            assert_eq!(tidy(sorted(raw)), want, "{why}");
+        }
     }
 
     /// Rows laid out as FDEs of a pseudo-random binary: FDEs in shuffled order, some
