@@ -279,7 +279,9 @@ def upload_table(rows):
 def window_events(rs):
     """What happened during each run's window, a run per line (older suite.json rows lack it)."""
     keys = ("window_new_processes", "window_tables_built", "window_symbol_parses")
-    return "<br>".join("/".join(f"{r[k]:.0f}" if k in r else "–" for k in keys) for r in rs)
+    ms = ("window_build_ms", "window_symbolize_ms")
+    return "<br>".join("/".join(f"{r[k]:.0f}" if k in r else "–" for k in keys) + "; "
+                       + "/".join(f"{r[k]:.1f}" if k in r else "–" for k in ms) for r in rs)
 
 
 def rest_table(rows):
@@ -297,10 +299,11 @@ def rest_table(rows):
            "extension modules, busy for 0.5 s) starts at the window's start: a first wave of table loads "
            "and symbol parses inside the window, held to the idle targets. \"in the window\": new "
            "processes the sampler saw, tables the enricher built, and symbol parses (first loads, "
-           "reparses, one-round parses) during the 60 s.", "",
+           "reparses, one-round parses) during the 60 s; then the enricher's ms in them building tables and "
+           "symbolizing (parses included).", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
            "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
-           "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes, tables, parses |",
+           "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes/tables/parses; enricher ms building/symbolizing |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ["idle", "new", "busy", "four"]
     keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))

@@ -135,7 +135,7 @@ class Firn:
         self.out = plan["out"]
         self.prepare(plan)
         self.t0 = time.time()
-        env = dict(os.environ, FIRN_LOG="info")
+        env = dict(os.environ, FIRN_LOG=os.environ.get("FIRN_BENCH_LOG", "info"))
         slog = os.path.join(self.tmp, "sampler.log")
         self.sampler = subprocess.Popen(plan["sampler"], stderr=open(slog, "w"), env=env)
         wait_for_line(slog, plan["sampler_ready"], self.sampler)

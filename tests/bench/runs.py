@@ -171,7 +171,12 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
             - m0.get("firn_enricher_unwind_tables_built_total", 0),
             "window_symbol_parses": sum(m.get(k, 0) - m0.get(k, 0) for k in (
                 "firn_enricher_symbol_reparses_total", "firn_enricher_symbol_parses_transient_total",
+                "firn_enricher_symbol_parses_not_kept_total",
                 "firn_enricher_binaries_loaded_total")),
+            "window_build_ms": (m.get("firn_enricher_unwind_table_build_ns_total", 0)
+                                - m0.get("firn_enricher_unwind_table_build_ns_total", 0)) / 1e6,
+            "window_symbolize_ms": (m.get("firn_enricher_symbolize_ns_total", 0)
+                                    - m0.get("firn_enricher_symbolize_ns_total", 0)) / 1e6,
             "rss_points": points}
 
 

@@ -132,8 +132,9 @@ pub(crate) struct Settings {
     /// Symbols held parsed at once, in bytes of symbol tables and DWARF (uncompressed
     /// debug sections, a binary's own or its separate debug file's). Parsed symbols
     /// are most of the enricher's memory: its RSS grows by about 1.5 times this. Past
-    /// it the least recently used binary's parse is dropped (frames already named stay
-    /// cached). A binary whose DWARF does not fit, such as firn's own, is named from its
+    /// it parses are dropped, those cheapest to make again per byte and longest unneeded
+    /// first, and a parse worth less than those it would push out is made for the round
+    /// only (frames already named stay cached). A binary whose DWARF does not fit, such as firn's own, is named from its
     /// symbol tables: function names without file:line or inline frames. 0 keeps
     /// nothing parsed between rounds.
     #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]

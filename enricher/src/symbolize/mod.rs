@@ -2,16 +2,18 @@
 //!
 //! Binaries are cached by identity (build id, else device + inode + size + mtime),
 //! shared by every process that maps them, in a bounded LRU. Each cached binary keeps
-//! its fd open and is known to blazesym as `/proc/self/fd/N`; eviction tells blazesym to
-//! forget that path before the fd (and so the number) is released. A frame that cannot
-//! be symbolized gets no name here, never a guessed one.
+//! its fd open and is known to blazesym as `/proc/self/fd/N`, in a blazesym symbolizer
+//! of its own while its parse is held, so nothing parsed outlives the binary's entry
+//! or is found again under a reused fd number. A frame that cannot be symbolized gets
+//! no name here, never a guessed one.
 //!
 //! Memory is bounded three ways ([`Limits`]): binaries kept open, frames remembered
 //! (one LRU over all binaries, so a frame is symbolized once), and bytes of symbol
 //! tables and DWARF held parsed. The last is most of the enricher's RSS: blazesym maps
 //! a binary and reads its tables and debug sections, and builds function and line
-//! tables on the heap. Past the budget the least recently used parse is dropped; a
-//! binary whose DWARF does not fit is named from its symbol tables alone.
+//! tables on the heap. Past the budget, parses are dropped by what they cost to make
+//! again and when they were last needed ([`room`]); a binary whose DWARF does not fit
+//! is named from its symbol tables alone.
 //!
 //! blazesym parses whatever ELF and DWARF a binary carries; fuzzing found inputs on
 //! which it panics (an unchecked file index in its line tables). Its calls run
@@ -26,12 +28,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 mod elf;
+mod room;
 
 use blazesym::symbolize::source::{Elf, Source};
 use blazesym::symbolize::Input;
 pub(crate) use elf::hex;
 use elf::{elf_facts, owned_lines, separate_debug_bytes};
 use nix::sys::stat::fstat;
+use room::{Floor, Room};
 
 use crate::metrics::Metrics;
 use crate::model::{BinaryId, Lines};
@@ -72,11 +76,12 @@ pub struct Limits {
     /// Binaries kept open (LRU; each holds one fd and its symbol tables).
     pub binaries: usize,
     /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
-    /// or its separate debug file's) whose parsed state is held at once. Past it the
-    /// least recently used binary's parse is dropped (its frames already named stay
-    /// cached). A binary whose tables and DWARF together are larger is named from its
-    /// symbol tables only: functions, no file:line and no inline frames; one whose
-    /// symbol tables alone are larger is parsed for the round and dropped at once.
+    /// or its separate debug file's) whose parsed state is held at once. Past it parses
+    /// are dropped, those cheapest to make again and longest unneeded first (their
+    /// frames already named stay cached). A binary whose tables and DWARF together are
+    /// larger is named from its symbol tables only: functions, no file:line and no
+    /// inline frames; one whose symbol tables alone are larger is parsed for the round
+    /// and dropped at once.
     pub budget_bytes: u64,
     /// Named frames remembered over all binaries (LRU).
     pub frames: usize,
@@ -108,43 +113,42 @@ struct Loaded {
     dwarf: bool,
     /// Bytes a parse reads and holds: symbol tables, plus DWARF when `dwarf`.
     cost: u64,
-    /// blazesym holds this binary's parse (counted in the budget).
-    held: bool,
+    /// This binary's parse, while held (counted in the budget). A blazesym symbolizer
+    /// of its own: dropping it frees all the parse holds, the separate debug file's
+    /// too, which evicting the binary's path from a shared one left cached (libc's
+    /// 10 MiB of DWARF inflated from libc6-dbg stayed after every drop).
+    parsed: Option<blazesym::symbolize::Symbolizer>,
     /// Its parse was dropped for room once (parsing it again is a reparse).
     dropped: bool,
+    /// What its last parse took (with the lookups that made it), once parsed.
+    parse_ns: Option<u64>,
+    /// Its worth held ([`room`]): set when its parse is needed.
+    credit: f64,
     /// The parser panicked on this file once: never parse it again.
     poisoned: bool,
 }
 
 pub struct Symbolizer {
-    inner: blazesym::symbolize::Symbolizer,
     binaries: lru::LruCache<BinaryId, Loaded>,
     by_file: HashMap<(u64, u64), BinaryId>,
     frames: lru::LruCache<(u64, u64), Option<Lines>>,
     limits: Limits,
     bytes_held: u64,
+    floor: Floor,
     next_serial: u64,
     metrics: Arc<Metrics>,
 }
 
 impl Symbolizer {
     pub fn new(limits: Limits, metrics: Arc<Metrics>) -> Self {
-        let inner = blazesym::symbolize::Symbolizer::builder()
-            // Paths are our own fds, which do not change under us.
-            .enable_auto_reload(false)
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
-            .enable_demangling(true)
-            .set_debug_dirs(Some(&DEBUG_DIRS))
-            .build();
         let count = |n: usize| NonZeroUsize::new(n.max(1)).unwrap_or(NonZeroUsize::MIN);
         Self {
-            inner,
             binaries: lru::LruCache::new(count(limits.binaries)),
             by_file: HashMap::new(),
             frames: lru::LruCache::new(count(limits.frames)),
             limits,
             bytes_held: 0,
+            floor: Floor::default(),
             next_serial: 0,
             metrics,
         }
@@ -256,6 +260,13 @@ impl Symbolizer {
                 "debug info larger than the budget (--symbol-budget): names from the symbol tables, no file:line or inline frames"
             );
         }
+        tracing::debug!(
+            build_id = build_id.as_deref().map(hex),
+            sym_bytes,
+            debug_bytes,
+            dwarf,
+            "binary loaded for symbols"
+        );
         self.next_serial += 1;
         let loaded = Loaded {
             fd,
@@ -265,8 +276,10 @@ impl Symbolizer {
             stripped: facts.map(|f| !f.symtab),
             dwarf,
             cost: sym_bytes + if dwarf { debug_bytes } else { 0 },
-            held: false,
+            parsed: None,
             dropped: false,
+            parse_ns: None,
+            credit: 0.0,
             poisoned: false,
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
@@ -287,53 +300,47 @@ impl Symbolizer {
         SymError::Panicked
     }
 
-    /// Makes blazesym forget a file: its mapping, symbol tables and parsed DWARF.
-    fn forget_parsed(&mut self, path: &std::path::Path) {
-        let evict = blazesym::symbolize::evict::Elf::new(path.to_path_buf());
-        if contained(|| self.inner.evict(&evict.into())).is_none() {
-            tracing::debug!("blazesym eviction panicked");
-        }
-    }
-
     fn evicted(&mut self, id: &BinaryId, old: Loaded) {
         Metrics::inc(&self.metrics.binaries_evicted);
-        if old.held {
+        if old.parsed.is_some() {
             self.bytes_held -= old.cost;
         }
-        self.forget_parsed(&old.path);
         self.by_file.retain(|_, v| v != id);
         drop(old);
     }
 
-    /// Drops the parses of the least recently used binaries until `need` more bytes
-    /// fit the budget (never `keep`'s).
-    fn make_room(&mut self, need: u64, keep: &BinaryId) {
-        let budget = self.limits.budget_bytes;
-        if self.bytes_held + need <= budget {
-            return;
-        }
-        let mut victims = Vec::new();
-        let mut freed = 0;
-        for (id, b) in self.binaries.iter().rev() {
-            if self.bytes_held - freed + need <= budget {
-                break;
-            }
-            if b.held && id != keep {
-                freed += b.cost;
-                victims.push(id.clone());
-            }
-        }
-        for id in victims {
-            let Some(b) = self.binaries.peek_mut(&id) else {
+    /// Makes room for `id`'s parse (`cost` bytes) by dropping others; false when it
+    /// is not to be kept ([`room`]).
+    fn make_room(&mut self, id: &BinaryId, cost: u64, parse_ns: Option<u64>) -> bool {
+        let held = self
+            .binaries
+            .iter()
+            .filter(|(k, b)| b.parsed.is_some() && *k != id)
+            .map(|(k, b)| (k.clone(), b.credit, b.cost))
+            .collect();
+        let free = self.limits.budget_bytes.saturating_sub(self.bytes_held);
+        let newcomer = parse_ns.map(|ns| self.floor.credit(ns, cost));
+        let victims = match room::make_room(&mut self.floor, held, free, cost, newcomer) {
+            Room::Fits => return true,
+            Room::NotKept => return false,
+            Room::Drop(v) => v,
+        };
+        for victim in victims {
+            let Some(b) = self.binaries.peek_mut(&victim) else {
                 continue;
             };
-            b.held = false;
+            b.parsed = None;
             b.dropped = true;
             self.bytes_held -= b.cost;
-            let path = b.path.clone();
-            self.forget_parsed(&path);
+            tracing::debug!(
+                build_id = b.build_id.as_deref().map(hex),
+                cost = b.cost,
+                need = cost,
+                "symbol parse dropped for room"
+            );
             Metrics::inc(&self.metrics.symbol_parses_dropped);
         }
+        true
     }
 
     /// Lines for each file offset (None: no symbol covers it).
@@ -344,8 +351,14 @@ impl Symbolizer {
         if bin.poisoned {
             return vec![None; offsets.len()];
         }
-        let (serial, path, dwarf, cost, held) =
-            (bin.serial, bin.path.clone(), bin.dwarf, bin.cost, bin.held);
+        let (serial, path, dwarf, cost, held, parse_ns) = (
+            bin.serial,
+            bin.path.clone(),
+            bin.dwarf,
+            bin.cost,
+            bin.parsed.is_some(),
+            bin.parse_ns,
+        );
         let mut misses: Vec<u64> = offsets
             .iter()
             .copied()
@@ -360,47 +373,62 @@ impl Symbolizer {
         let mut fresh: HashMap<u64, Option<Lines>> = HashMap::new();
         if !misses.is_empty() {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
-            if cost <= self.limits.budget_bytes {
-                // (A parse larger than the whole budget is dropped right after; making
-                // room for it would only make the others parse again.) A parse held
-                // already is counted in the bytes held: it needs no more room.
-                self.make_room(if held { 0 } else { cost }, id);
-            }
-            let mut elf = Elf::new(path.clone());
+            // A parse larger than the whole budget is made for this round only: making
+            // room for it would only make the others parse again. A parse held already
+            // is counted in the bytes held: it needs no more room.
+            let over = cost > self.limits.budget_bytes;
+            let keep = !over && (held || self.make_room(id, cost, parse_ns));
+            let Some(bin) = self.binaries.peek_mut(id) else {
+                return vec![None; offsets.len()];
+            };
+            let parsed = bin.parsed.take().unwrap_or_else(parser);
+            let mut elf = Elf::new(path);
             elf.debug_syms = dwarf;
             let src = Source::Elf(elf);
-            let inner = &self.inner;
+            let started = std::time::Instant::now();
             let result = contained(|| {
-                inner
+                parsed
                     .symbolize(&src, Input::FileOffset(&misses))
                     .map(|r| r.into_iter().map(owned_lines).collect::<Vec<_>>())
             });
-            if cost > self.limits.budget_bytes {
-                // Larger than the whole budget: parsed for this round only.
-                Metrics::inc(&self.metrics.symbol_parses_transient);
-                self.forget_parsed(&path);
-            } else if let Some(bin) = self.binaries.peek_mut(id) {
-                if !bin.held {
-                    bin.held = true;
+            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            Metrics::add(&self.metrics.symbolize_ns, took);
+            if !held {
+                bin.parse_ns = Some(took);
+            }
+            let Some(result) = result else {
+                // Its half-parsed state goes with `parsed`.
+                bin.poisoned = true;
+                if held {
+                    self.bytes_held -= cost;
+                }
+                self.panicked(Some(id));
+                return vec![None; offsets.len()];
+            };
+            if keep {
+                bin.parsed = Some(parsed);
+                bin.credit = self.floor.credit(bin.parse_ns.unwrap_or(took), cost);
+                if !held {
                     self.bytes_held += cost;
                     if bin.dropped {
                         Metrics::inc(&self.metrics.symbol_reparses);
                     }
                 }
+            } else if over {
+                Metrics::inc(&self.metrics.symbol_parses_transient);
+            } else {
+                Metrics::inc(&self.metrics.symbol_parses_not_kept);
             }
-            let Some(result) = result else {
-                if let Some(bin) = self.binaries.peek_mut(id) {
-                    bin.poisoned = true;
-                    if bin.held {
-                        bin.held = false;
-                        self.bytes_held -= cost;
-                    }
-                }
-                self.panicked(Some(id));
-                // Its half-parsed state goes too.
-                self.forget_parsed(&path);
-                return vec![None; offsets.len()];
-            };
+            if !held {
+                tracing::debug!(
+                    build_id = bin.build_id.as_deref().map(hex),
+                    cost,
+                    took_us = took / 1000,
+                    keep,
+                    reparse = bin.dropped,
+                    "symbols parsed"
+                );
+            }
             let results = result.unwrap_or_else(|e| {
                 tracing::debug!(error = %e, "symbolization failed for a binary");
                 vec![None; misses.len()]
@@ -422,6 +450,18 @@ impl Symbolizer {
             })
             .collect()
     }
+}
+
+/// A blazesym symbolizer for one binary's parse.
+fn parser() -> blazesym::symbolize::Symbolizer {
+    blazesym::symbolize::Symbolizer::builder()
+        // Paths are our own fds, which do not change under us.
+        .enable_auto_reload(false)
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        .enable_demangling(true)
+        .set_debug_dirs(Some(&DEBUG_DIRS))
+        .build()
 }
 
 #[cfg(test)]

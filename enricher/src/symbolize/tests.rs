@@ -129,6 +129,122 @@ fn a_held_parse_meeting_new_offsets_drops_no_other() {
     assert_eq!(dropped, 0);
 }
 
+/// Two parses that do not fit the budget together, each needed every round (new
+/// frames in both): one stays held and the other is made for the round and not kept,
+/// instead of each dropping the other every round.
+#[test]
+fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
+    const ROUNDS: u64 = 8;
+    let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+    let open = |p: &str| std::fs::File::open(p).unwrap().into();
+    let (_, mut sym, _) = symbolize_self(u64::MAX);
+    let own = sym.bytes_held();
+    let id = sym.load(open(libc)).unwrap();
+    sym.symbolize(&id, &[0x30000]);
+    let theirs = sym.bytes_held() - own;
+    // Room for either, not both.
+    let (_, mut sym, metrics) = symbolize_self(own.max(theirs));
+    let me = sym.load(open("/proc/self/exe")).unwrap();
+    let libc = sym.load(open(libc)).unwrap();
+    let mine = own_offset(marker_function as *const () as usize);
+    for round in 1..=ROUNDS {
+        // New offsets each round: misses, so each binary needs its parse.
+        sym.symbolize(&libc, &[0x30000 + round * 0x1000]);
+        sym.symbolize(&me, &[mine + round * 16]);
+        assert!(sym.bytes_held() <= own.max(theirs));
+    }
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let parses = n(&metrics.binaries_loaded)
+        + n(&metrics.symbol_reparses)
+        + n(&metrics.symbol_parses_not_kept);
+    // Dropping the least recently used made 2 parses a round.
+    assert!(
+        parses <= ROUNDS + 3,
+        "{parses} parses in {ROUNDS} rounds: reparsed {}, not kept {}",
+        n(&metrics.symbol_reparses),
+        n(&metrics.symbol_parses_not_kept)
+    );
+    assert!(n(&metrics.symbol_parses_not_kept) >= ROUNDS - 3);
+}
+
+/// A copy of this test binary whose DWARF is in a separate file, found by its
+/// `.gnu_debuglink` next to it (one section kept, so it counts as having DWARF).
+fn with_separate_debug_file(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let bin = dir.join("split");
+    let debug = dir.join("split.debug");
+    let me = std::env::current_exe().unwrap();
+    let run = |args: &[&std::ffi::OsStr]| {
+        let ok = std::process::Command::new("objcopy")
+            .args(args)
+            .status()
+            .expect("objcopy (binutils)");
+        assert!(ok.success(), "objcopy {args:?}");
+    };
+    run(&["--only-keep-debug".as_ref(), me.as_ref(), debug.as_ref()]);
+    run(&[
+        "--strip-debug".as_ref(),
+        "--keep-section=.debug_abbrev".as_ref(),
+        "--add-gnu-debuglink".as_ref(),
+        debug.as_ref(),
+        me.as_ref(),
+        bin.as_ref(),
+    ]);
+    (bin, debug)
+}
+
+/// Dropping a parse frees all it held, the separate debug file too: blazesym keeps a
+/// debug file under its own path, and evicting only the binary's path left it mapped
+/// (libc's DWARF from libc6-dbg, 10 MiB inflated, stayed after every drop).
+#[test]
+fn a_dropped_parse_unmaps_its_separate_debug_file() {
+    let dir = std::env::temp_dir().join(format!("firn-split-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (bin, debug) = with_separate_debug_file(&dir);
+    let mapped = || {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .contains(debug.to_str().unwrap())
+    };
+    let open = |p: &std::path::Path| std::fs::File::open(p).unwrap().into();
+    marker_function();
+    let off = own_offset(marker_function as *const () as usize);
+    let mut sym = Symbolizer::new(
+        Limits {
+            budget_bytes: u64::MAX >> 1,
+            ..Limits::default()
+        },
+        Arc::new(Metrics::default()),
+    );
+    let id = sym.load(open(&bin)).unwrap();
+    let lines = sym.symbolize(&id, &[off]).remove(0).expect("named");
+    assert!(
+        lines.iter().any(|l| l.file.ends_with("tests.rs")),
+        "file:line from the debug file: {lines:?}"
+    );
+    assert!(mapped(), "the debug file is parsed in place");
+    let cost = sym.bytes_held();
+    drop(sym);
+    assert!(!mapped());
+    // Room for it alone: another binary's parse drops it.
+    let metrics = Arc::new(Metrics::default());
+    let limits = Limits {
+        budget_bytes: cost,
+        ..Limits::default()
+    };
+    let mut sym = Symbolizer::new(limits, metrics.clone());
+    let id = sym.load(open(&bin)).unwrap();
+    sym.symbolize(&id, &[off]);
+    assert!(mapped());
+    let libc = sym
+        .load(open("/usr/lib/x86_64-linux-gnu/libc.so.6".as_ref()))
+        .unwrap();
+    sym.symbolize(&libc, &[0x30000]);
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&metrics.symbol_parses_dropped), 1);
+    assert!(!mapped(), "the dropped parse's debug file is still mapped");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn an_unstripped_copy_replaces_a_stripped_one_with_its_build_id() {
     let stripped = std::env::temp_dir().join(format!("firn-stripped-{}", std::process::id()));
