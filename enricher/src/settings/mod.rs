@@ -134,9 +134,9 @@ pub(crate) struct Settings {
     /// are most of the enricher's memory: its RSS grows by about 1.5 times this. Past
     /// it parses are dropped, those cheapest to make again per byte and longest unneeded
     /// first, and a parse worth less than those it would push out is made for the round
-    /// only (frames already named stay cached). A binary whose DWARF does not fit, such as firn's own, is named from its
-    /// symbol tables: function names without file:line or inline frames. 0 keeps
-    /// nothing parsed between rounds.
+    /// only (frames already named stay cached). A binary whose DWARF does not fit, such
+    /// as firn's own, is named from its symbol tables: function names without file:line
+    /// or inline frames. 0 keeps nothing parsed between rounds.
     #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
     pub(crate) symbol_budget: u64,
 
