@@ -247,7 +247,11 @@ impl Symbolizer {
         if debug_bytes == 0 {
             debug_bytes = build_id.as_deref().map_or(0, separate_debug_bytes);
         }
-        let sym_bytes = facts.map_or(0, |f| f.sym_bytes);
+        // A file whose headers `object` cannot read may still be parsed by blazesym:
+        // its whole size stands for what the parse may hold.
+        let sym_bytes = facts.map_or(u64::try_from(st.st_size).unwrap_or(u64::MAX), |f| {
+            f.sym_bytes
+        });
         let budget = self.limits.budget_bytes;
         let dwarf = debug_bytes > 0 && sym_bytes.saturating_add(debug_bytes) <= budget;
         if debug_bytes > 0 && !dwarf {
@@ -376,7 +380,8 @@ impl Symbolizer {
             // A parse larger than the whole budget is made for this round only: making
             // room for it would only make the others parse again. A parse held already
             // is counted in the bytes held: it needs no more room.
-            let over = cost > self.limits.budget_bytes;
+            // (A budget of 0 keeps nothing, whatever a parse is estimated at.)
+            let over = cost > self.limits.budget_bytes || self.limits.budget_bytes == 0;
             let keep = !over && (held || self.make_room(id, cost, parse_ns));
             let Some(bin) = self.binaries.peek_mut(id) else {
                 return vec![None; offsets.len()];
@@ -397,7 +402,8 @@ impl Symbolizer {
                 bin.parse_ns = Some(took);
             }
             let Some(result) = result else {
-                // Its half-parsed state goes with `parsed`.
+                // Its half-parsed state goes with `parsed`, dropped contained too.
+                contained(move || drop(parsed));
                 bin.poisoned = true;
                 if held {
                     self.bytes_held -= cost;

@@ -76,6 +76,11 @@ pub(super) fn make_room<K>(
         top = Some(credit);
         victims.push(key);
     }
+    if freed < need {
+        // Not even all of them make room (the caller keeps such parses for the
+        // round only): drop nothing.
+        return Room::NotKept;
+    }
     if let Some(t) = top {
         floor.raise(t);
     }
@@ -144,6 +149,15 @@ mod tests {
                 None,
                 Room::Drop(vec![1]),
                 7.0,
+            ),
+            (
+                "all of them would not make room: nothing dropped",
+                vec![(1, 1.0, 10)],
+                0,
+                15,
+                None,
+                Room::NotKept,
+                0.0,
             ),
             (
                 "an equal credit lets it in",
