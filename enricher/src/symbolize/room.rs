@@ -66,10 +66,8 @@ pub(super) fn make_room<K>(
         if freed >= need {
             break;
         }
-        if newcomer.is_some_and(|n| credit > n) {
-            if let Some(n) = newcomer {
-                floor.raise(n);
-            }
+        if let Some(n) = newcomer.filter(|&n| credit > n) {
+            floor.raise(n);
             return Room::NotKept;
         }
         freed = freed.saturating_add(cost);
