@@ -1,12 +1,11 @@
-//! What the symbolizer reads of a binary besides blazesym's answers: section sizes and
-//! whether it has a symbol table (from the headers alone), its separate debug file's
-//! size, and blazesym's symbols turned into pprof lines.
+//! What the symbolizer reads of a binary besides blazesym's answers: section sizes,
+//! whether it has a symbol table and links to other files' DWARF, and its segments
+//! (from the headers alone), and blazesym's symbols turned into pprof lines.
 
 use std::sync::Arc;
 
 use blazesym::symbolize::{CodeInfo, Sym, Symbolized};
 
-use super::{contained, DEBUG_DIRS};
 use crate::model::{Line, Lines};
 
 pub(super) fn owned_lines(r: Symbolized<'_>) -> Option<Lines> {
@@ -16,7 +15,7 @@ pub(super) fn owned_lines(r: Symbolized<'_>) -> Option<Lines> {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Default)]
 pub(super) struct ElfFacts {
     /// Has a `.symtab` section.
     pub(super) symtab: bool,
@@ -24,23 +23,59 @@ pub(super) struct ElfFacts {
     pub(super) debug_bytes: u64,
     /// Size of its symbol and string tables (`.symtab`, `.strtab`, `.dynsym`, `.dynstr`).
     pub(super) sym_bytes: u64,
+    /// Names another file by path for its DWARF (`.gnu_debuglink`, `.debug_sup`).
+    pub(super) debug_link: bool,
+    /// `.gnu_debugaltlink`: the build id of the supplementary DWARF file it names
+    /// (empty when the section cannot be read).
+    pub(super) alt_link: Option<Vec<u8>>,
+    /// Its `PT_LOAD` segments, to turn file offsets into addresses.
+    pub(super) loads: Vec<Segment>,
 }
 
-/// Reads only the ELF and section headers (through a read cache, never the whole file).
+impl ElfFacts {
+    /// Whether blazesym, asked for its DWARF, would open other files by path.
+    pub(super) fn links(&self) -> bool {
+        self.debug_link || self.alt_link.is_some()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Segment {
+    offset: u64,
+    size: u64,
+    address: u64,
+}
+
+/// The address a file offset is loaded at, as blazesym finds it for a file offset
+/// (the first `PT_LOAD` whose file bytes hold it).
+pub(super) fn address_of(loads: &[Segment], offset: u64) -> Option<u64> {
+    loads.iter().find_map(|s| {
+        (offset >= s.offset && offset - s.offset < s.size).then(|| offset - s.offset + s.address)
+    })
+}
+
+/// Reads only the ELF, program and section headers and the link sections (through a
+/// read cache, never the whole file).
 pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
     use object::read::elf::{ElfFile32, ElfFile64};
-    use object::read::{Object, ObjectSection, ReadCache};
+    use object::read::{Object, ObjectSection, ObjectSegment, ReadCache};
     fn of<'a, O: Object<'a>>(o: &O) -> ElfFacts {
-        let mut facts = ElfFacts {
-            symtab: false,
-            debug_bytes: 0,
-            sym_bytes: 0,
-        };
+        let mut facts = ElfFacts::default();
         for s in o.sections() {
             let name = s.name().unwrap_or_default();
             if matches!(name, ".symtab" | ".strtab" | ".dynsym" | ".dynstr") {
                 facts.symtab |= name == ".symtab";
                 facts.sym_bytes = facts.sym_bytes.saturating_add(s.size());
+            } else if matches!(name, ".gnu_debuglink" | ".debug_sup") {
+                facts.debug_link = true;
+            } else if name == ".gnu_debugaltlink" {
+                // A path, NUL, then the build id.
+                let data = s.data().unwrap_or_default();
+                let id = data
+                    .iter()
+                    .position(|&b| b == 0)
+                    .map_or(&[][..], |n| &data[n + 1..]);
+                facts.alt_link = Some(id.to_vec());
             } else if name.starts_with(".debug_") || name.starts_with(".zdebug_") {
                 let size = s
                     .compressed_file_range()
@@ -48,6 +83,17 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
                 facts.debug_bytes = facts.debug_bytes.saturating_add(size);
             }
         }
+        facts.loads = o
+            .segments()
+            .map(|s| {
+                let (offset, size) = s.file_range();
+                Segment {
+                    offset,
+                    size,
+                    address: s.address(),
+                }
+            })
+            .collect();
         facts
     }
     let cache = ReadCache::new(file);
@@ -60,22 +106,6 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
         }
         _ => None,
     }
-}
-
-/// DWARF bytes of the separate debug file blazesym would find for this build id.
-pub(super) fn separate_debug_bytes(build_id: &[u8]) -> u64 {
-    let [first, rest @ ..] = build_id else {
-        return 0;
-    };
-    if rest.is_empty() {
-        return 0;
-    }
-    let name = format!(".build-id/{first:02x}/{}.debug", hex(rest));
-    DEBUG_DIRS
-        .iter()
-        .find_map(|d| std::fs::File::open(std::path::Path::new(d).join(&name)).ok())
-        .and_then(|f| contained(|| elf_facts(f)).flatten())
-        .map_or(0, |f| f.debug_bytes)
 }
 
 pub(crate) fn hex(b: &[u8]) -> String {

@@ -5,7 +5,8 @@
 //! its fd open and is known to blazesym as `/proc/self/fd/N`, in a blazesym symbolizer
 //! of its own while its parse is held, so nothing parsed outlives the binary's entry
 //! or is found again under a reused fd number. A frame that cannot be symbolized gets
-//! no name here, never a guessed one.
+//! no name here, never a guessed one. A binary's separate debug file is found by
+//! build id and opened here, never by the links the binary names ([`debug_file`]).
 //!
 //! Memory is bounded three ways ([`Limits`]): binaries kept open, frames remembered
 //! (one LRU over all binaries, so a frame is symbolized once), and bytes of symbol
@@ -27,13 +28,13 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+mod debug_file;
 mod elf;
 mod room;
 
-use blazesym::symbolize::source::{Elf, Source};
-use blazesym::symbolize::Input;
+use debug_file::DebugFile;
 pub(crate) use elf::hex;
-use elf::{elf_facts, owned_lines, separate_debug_bytes};
+use elf::{elf_facts, ElfFacts};
 use nix::sys::stat::fstat;
 use room::{Floor, Room};
 
@@ -97,7 +98,9 @@ impl Default for Limits {
     }
 }
 
-/// Where blazesym looks for separate debug files (by build id), as it does by default.
+/// Where separate debug files are looked up by build id (`.build-id/xx/rest.debug`),
+/// as gdb and perf do. Root's to write; the debug file's own links (dwz's
+/// `.gnu_debugaltlink`) are resolved by blazesym from these too.
 const DEBUG_DIRS: [&str; 2] = ["/usr/lib/debug", "/lib/debug"];
 
 struct Loaded {
@@ -111,6 +114,8 @@ struct Loaded {
     stripped: Option<bool>,
     /// Symbolized with DWARF (within the budget), else from the symbol tables.
     dwarf: bool,
+    /// Its separate debug file, looked up first; the binary answers what it does not.
+    debug: Option<DebugFile>,
     /// Bytes a parse reads and holds: symbol tables, plus DWARF when `dwarf`.
     cost: u64,
     /// This binary's parse, while held (counted in the budget). A blazesym symbolizer
@@ -136,6 +141,7 @@ pub struct Symbolizer {
     bytes_held: u64,
     floor: Floor,
     next_serial: u64,
+    debug_dirs: Vec<PathBuf>,
     metrics: Arc<Metrics>,
 }
 
@@ -150,8 +156,16 @@ impl Symbolizer {
             bytes_held: 0,
             floor: Floor::default(),
             next_serial: 0,
+            debug_dirs: DEBUG_DIRS.iter().map(PathBuf::from).collect(),
             metrics,
         }
+    }
+
+    /// Looks up separate debug files under `dirs` instead of the system's.
+    #[cfg(test)]
+    fn with_debug_dirs(mut self, dirs: &[&std::path::Path]) -> Self {
+        self.debug_dirs = dirs.iter().map(|d| d.to_path_buf()).collect();
+        self
     }
 
     /// The cached binary for a mapping's device and inode, if one is loaded.
@@ -243,15 +257,33 @@ impl Symbolizer {
         self.by_file.insert((dev, ino), id.clone());
         Metrics::inc(&self.metrics.binaries_loaded);
         let facts = facts.or_else(|| facts_of(&path));
-        let mut debug_bytes = facts.map_or(0, |f| f.debug_bytes);
-        if debug_bytes == 0 {
-            debug_bytes = build_id.as_deref().map_or(0, separate_debug_bytes);
-        }
         // A file whose headers `object` cannot read may still be parsed by blazesym:
-        // its whole size stands for what the parse may hold.
-        let sym_bytes = facts.map_or(u64::try_from(st.st_size).unwrap_or(u64::MAX), |f| {
-            f.sym_bytes
-        });
+        // its whole size stands for what the parse may hold, and its DWARF (whose
+        // links could not be seen) is not read.
+        let mut sym_bytes = facts
+            .as_ref()
+            .map_or(u64::try_from(st.st_size).unwrap_or(u64::MAX), |f| {
+                f.sym_bytes
+            });
+        let own_links = facts.as_ref().is_some_and(ElfFacts::links);
+        let own_debug = facts.as_ref().map_or(0, |f| f.debug_bytes);
+        let debug = match (build_id.as_deref(), &facts) {
+            (Some(b), Some(f)) if own_links || own_debug == 0 => {
+                debug_file::open(&self.debug_dirs, b, &f.loads, &self.metrics)
+            }
+            _ => None,
+        };
+        let debug_bytes = match &debug {
+            Some(d) => d.debug_bytes,
+            // Its DWARF would be read through links by path: not at all.
+            None if own_links => {
+                Metrics::inc(&self.metrics.debug_links_not_followed);
+                0
+            }
+            None => own_debug,
+        };
+        sym_bytes = sym_bytes.saturating_add(debug.as_ref().map_or(0, |d| d.sym_bytes));
+        let debug = debug.map(|d| d.file);
         let budget = self.limits.budget_bytes;
         let dwarf = debug_bytes > 0 && sym_bytes.saturating_add(debug_bytes) <= budget;
         if debug_bytes > 0 && !dwarf {
@@ -279,6 +311,7 @@ impl Symbolizer {
             build_id,
             stripped: facts.map(|f| !f.symtab),
             dwarf,
+            debug,
             cost: sym_bytes + if dwarf { debug_bytes } else { 0 },
             parsed: None,
             dropped: false,
@@ -386,15 +419,13 @@ impl Symbolizer {
             let Some(bin) = self.binaries.peek_mut(id) else {
                 return vec![None; offsets.len()];
             };
-            let parsed = bin.parsed.take().unwrap_or_else(parser);
-            let mut elf = Elf::new(path);
-            elf.debug_syms = dwarf;
-            let src = Source::Elf(elf);
+            let parsed = bin
+                .parsed
+                .take()
+                .unwrap_or_else(|| parser(&self.debug_dirs));
             let started = std::time::Instant::now();
             let result = contained(|| {
-                parsed
-                    .symbolize(&src, Input::FileOffset(&misses))
-                    .map(|r| r.into_iter().map(owned_lines).collect::<Vec<_>>())
+                debug_file::lookup(&parsed, &path, dwarf, bin.debug.as_ref(), &misses)
             });
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             Metrics::add(&self.metrics.symbolize_ns, took);
@@ -459,14 +490,14 @@ impl Symbolizer {
 }
 
 /// A blazesym symbolizer for one binary's parse.
-fn parser() -> blazesym::symbolize::Symbolizer {
+fn parser(debug_dirs: &[PathBuf]) -> blazesym::symbolize::Symbolizer {
     blazesym::symbolize::Symbolizer::builder()
         // Paths are our own fds, which do not change under us.
         .enable_auto_reload(false)
         .enable_code_info(true)
         .enable_inlined_fns(true)
         .enable_demangling(true)
-        .set_debug_dirs(Some(&DEBUG_DIRS))
+        .set_debug_dirs(Some(debug_dirs))
         .build()
 }
 
