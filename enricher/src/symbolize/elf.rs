@@ -62,7 +62,11 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
     fn of<'a, O: Object<'a>>(o: &O) -> ElfFacts {
         let mut facts = ElfFacts::default();
         for s in o.sections() {
-            let name = s.name().unwrap_or_default();
+            // A name we cannot read might be a link blazesym can: taken as one.
+            let Ok(name) = s.name() else {
+                facts.debug_link = true;
+                continue;
+            };
             if matches!(name, ".symtab" | ".strtab" | ".dynsym" | ".dynstr") {
                 facts.symtab |= name == ".symtab";
                 facts.sym_bytes = facts.sym_bytes.saturating_add(s.size());
