@@ -136,7 +136,9 @@ pub(crate) struct Settings {
     /// first, and a parse worth less than those it would push out is made for the round
     /// only (frames already named stay cached). A binary whose DWARF does not fit, such
     /// as firn's own, is named from its symbol tables: function names without file:line
-    /// or inline frames. 0 keeps nothing parsed between rounds.
+    /// or inline frames. One whose symbol tables are larger than the budget is parsed
+    /// for its round only; over 4 times the budget (at least 96 MiB), not at all: its
+    /// frames stay addresses. 0 keeps nothing parsed between rounds.
     #[arg(long, env = "FIRN_SYMBOL_BUDGET", default_value = "24MiB", value_parser = parse_bytes)]
     pub(crate) symbol_budget: u64,
 

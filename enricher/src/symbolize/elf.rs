@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use blazesym::symbolize::{CodeInfo, Sym, Symbolized};
+use object::read::ReadCache;
 
 use crate::model::{Line, Lines};
 
@@ -55,59 +56,73 @@ pub(super) fn address_of(loads: &[Segment], offset: u64) -> Option<u64> {
 }
 
 /// Reads only the ELF, program and section headers and the link sections (through a
-/// read cache, never the whole file).
+/// read cache, never the whole file: `object`'s `ElfFile` would read every symbol
+/// table, 26 MiB of rustc's libLLVM, for a load that wants their sizes).
 pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
-    use object::read::elf::{ElfFile32, ElfFile64};
-    use object::read::{Object, ObjectSection, ObjectSegment, ReadCache};
-    fn of<'a, O: Object<'a>>(o: &O) -> ElfFacts {
+    use object::elf::{FileHeader32, FileHeader64, PT_LOAD};
+    use object::read::elf::{CompressionHeader, FileHeader, ProgramHeader, SectionHeader};
+    use object::{Endianness, ReadRef};
+    fn of<'a, E: FileHeader<Endian = Endianness>, R: ReadRef<'a>>(data: R) -> Option<ElfFacts> {
+        let header = E::parse(data).ok()?;
+        let endian = header.endian().ok()?;
+        let sections = header.sections(endian, data).ok()?;
         let mut facts = ElfFacts::default();
-        for s in o.sections() {
+        for s in sections.iter() {
             // A name we cannot read might be a link blazesym can: taken as one.
-            let Ok(name) = s.name() else {
+            let Ok(name) = sections.section_name(endian, s) else {
                 facts.debug_link = true;
                 continue;
             };
-            if matches!(name, ".symtab" | ".strtab" | ".dynsym" | ".dynstr") {
-                facts.symtab |= name == ".symtab";
-                facts.sym_bytes = facts.sym_bytes.saturating_add(s.size());
-            } else if matches!(name, ".gnu_debuglink" | ".debug_sup") {
-                facts.debug_link = true;
-            } else if name == ".gnu_debugaltlink" {
-                // A path, NUL, then the build id.
-                let data = s.data().unwrap_or_default();
-                let id = data
-                    .iter()
-                    .position(|&b| b == 0)
-                    .map_or(&[][..], |n| &data[n + 1..]);
-                facts.alt_link = Some(id.to_vec());
-            } else if name.starts_with(".debug_") || name.starts_with(".zdebug_") {
-                let size = s
-                    .compressed_file_range()
-                    .map_or(s.size(), |r| r.uncompressed_size);
-                facts.debug_bytes = facts.debug_bytes.saturating_add(size);
+            let size: u64 = s.sh_size(endian).into();
+            match name {
+                b".symtab" | b".strtab" | b".dynsym" | b".dynstr" => {
+                    facts.symtab |= name == b".symtab";
+                    facts.sym_bytes = facts.sym_bytes.saturating_add(size);
+                }
+                b".gnu_debuglink" | b".debug_sup" => facts.debug_link = true,
+                b".gnu_debugaltlink" => {
+                    // A path, NUL, then the build id.
+                    let bytes = s.data(endian, data).unwrap_or_default();
+                    let id = bytes
+                        .iter()
+                        .position(|&b| b == 0)
+                        .map_or(&[][..], |n| &bytes[n + 1..]);
+                    facts.alt_link = Some(id.to_vec());
+                }
+                n if n.starts_with(b".debug_") || n.starts_with(b".zdebug_") => {
+                    let inflated = match s.compression(endian, data) {
+                        Ok(Some((ch, _, _))) => Some(ch.ch_size(endian).into()),
+                        // GNU style: "ZLIB" and the size, big-endian.
+                        _ if n.starts_with(b".zdebug_") => s
+                            .file_range(endian)
+                            .and_then(|(at, _)| data.read_bytes_at(at, 12).ok())
+                            .filter(|h| h.starts_with(b"ZLIB"))
+                            .and_then(|h| h[4..].try_into().ok())
+                            .map(u64::from_be_bytes),
+                        _ => None,
+                    };
+                    facts.debug_bytes = facts.debug_bytes.saturating_add(inflated.unwrap_or(size));
+                }
+                _ => {}
             }
         }
-        facts.loads = o
-            .segments()
-            .map(|s| {
-                let (offset, size) = s.file_range();
-                Segment {
-                    offset,
-                    size,
-                    address: s.address(),
-                }
+        facts.loads = header
+            .program_headers(endian, data)
+            .ok()?
+            .iter()
+            .filter(|p| p.p_type(endian) == PT_LOAD)
+            .map(|p| Segment {
+                offset: p.p_offset(endian).into(),
+                size: p.p_filesz(endian).into(),
+                address: p.p_vaddr(endian).into(),
             })
             .collect();
-        facts
+        Some(facts)
     }
     let cache = ReadCache::new(file);
     match object::FileKind::parse(&cache).ok()? {
-        object::FileKind::Elf64 => {
-            Some(of(&ElfFile64::<object::Endianness, _>::parse(&cache).ok()?))
-        }
-        object::FileKind::Elf32 => {
-            Some(of(&ElfFile32::<object::Endianness, _>::parse(&cache).ok()?))
-        }
+        object::FileKind::Elf64 => of::<FileHeader64<Endianness>, _>(&cache),
+        object::FileKind::Elf32 => of::<FileHeader32<Endianness>, _>(&cache),
         _ => None,
     }
 }

@@ -18,7 +18,7 @@
 //!
 //! blazesym parses whatever ELF and DWARF a binary carries; fuzzing found inputs on
 //! which it panics (an unchecked file index in its line tables). Its calls run
-//! [`contained`]: a panic there is caught and counted, the binary is marked poisoned
+//! [`contained`]: a panic there is caught and counted, the binary is marked unparsed
 //! (its frames stay addresses, it is never parsed again), and the enricher lives.
 
 use std::cell::Cell;
@@ -82,10 +82,23 @@ pub struct Limits {
     /// frames already named stay cached). A binary whose tables and DWARF together are
     /// larger is named from its symbol tables only: functions, no file:line and no
     /// inline frames; one whose symbol tables alone are larger is parsed for the round
-    /// and dropped at once.
+    /// and dropped at once, up to [`Limits::ceiling`].
     pub budget_bytes: u64,
     /// Named frames remembered over all binaries (LRU).
     pub frames: usize,
+}
+
+impl Limits {
+    /// Symbol tables larger than this are not parsed at all (their frames stay
+    /// addresses): 4 × the budget, at least 4 × the default. A parse holds on the heap
+    /// about a third of its symbol tables' bytes (an 8-byte index per 24-byte
+    /// symbol), so a binary with a gigabyte of symbols would have grown the enricher
+    /// by 350 MiB, every round that met it. rustc's libLLVM (26 MiB) is parsed.
+    pub fn ceiling(&self) -> u64 {
+        self.budget_bytes
+            .max(Limits::default().budget_bytes)
+            .saturating_mul(4)
+    }
 }
 
 impl Default for Limits {
@@ -129,8 +142,9 @@ struct Loaded {
     parse_ns: Option<u64>,
     /// Its worth held ([`room`]): set when its parse is needed.
     credit: f64,
-    /// The parser panicked on this file once: never parse it again.
-    poisoned: bool,
+    /// Never parsed (again): the parser panicked on it once, or its symbol tables
+    /// are over the ceiling ([`Limits::ceiling`]).
+    unparsed: bool,
 }
 
 pub struct Symbolizer {
@@ -296,6 +310,16 @@ impl Symbolizer {
                 "debug info larger than the budget (--symbol-budget): names from the symbol tables, no file:line or inline frames"
             );
         }
+        let unparsed = sym_bytes > self.limits.ceiling();
+        if unparsed {
+            Metrics::inc(&self.metrics.binaries_over_symbol_ceiling);
+            tracing::info!(
+                binary = ?id,
+                sym_bytes,
+                ceiling = self.limits.ceiling(),
+                "symbol tables larger than 4 × --symbol-budget: not parsed, its frames stay addresses"
+            );
+        }
         tracing::debug!(
             build_id = build_id.as_deref().map(hex),
             sym_bytes,
@@ -317,7 +341,7 @@ impl Symbolizer {
             dropped: false,
             parse_ns: None,
             credit: 0.0,
-            poisoned: false,
+            unparsed,
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
             if old_id != id {
@@ -385,7 +409,7 @@ impl Symbolizer {
         let Some(bin) = self.binaries.get(id) else {
             return vec![None; offsets.len()];
         };
-        if bin.poisoned {
+        if bin.unparsed {
             return vec![None; offsets.len()];
         }
         let (serial, path, dwarf, cost, held, parse_ns) = (
@@ -435,7 +459,7 @@ impl Symbolizer {
             let Some(result) = result else {
                 // Its half-parsed state goes with `parsed`, dropped contained too.
                 contained(move || drop(parsed));
-                bin.poisoned = true;
+                bin.unparsed = true;
                 if held {
                     self.bytes_held -= cost;
                 }

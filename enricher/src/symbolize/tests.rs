@@ -22,7 +22,7 @@ fn fuzz_regressions_are_contained() {
         let len = entry.metadata().unwrap().len();
         let offsets: Vec<u64> = (0..64u64).map(|i| i * (len / 48 + 1)).collect();
         assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
-        // A poisoned binary answers without parsing again.
+        // A binary the parser panicked on answers without parsing again.
         assert_eq!(sym.symbolize(&id, &offsets).len(), offsets.len());
     }
     assert!(inputs > 0, "no regression inputs under {}", dir.display());
@@ -332,6 +332,57 @@ fn symtab_detection() {
     assert!(super::elf_facts(text).is_none());
 }
 
+/// The headers-only reading agrees with `object`'s whole-file parser, on this test
+/// binary with its DWARF as it is and compressed both ways, and on libc.
+#[test]
+fn facts_from_the_headers_agree_with_object_s_parser() {
+    use object::read::{Object, ObjectSection, ObjectSegment};
+    let dir = std::env::temp_dir().join(format!("firn-facts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let me = std::env::current_exe().unwrap();
+    let mut files = vec![me.clone(), "/usr/lib/x86_64-linux-gnu/libc.so.6".into()];
+    for how in ["zlib", "zlib-gnu"] {
+        let out = dir.join(how);
+        let arg = format!("--compress-debug-sections={how}");
+        let ok = std::process::Command::new("objcopy")
+            .args([arg.as_ref(), me.as_os_str(), out.as_os_str()])
+            .status()
+            .expect("objcopy (binutils)");
+        assert!(ok.success(), "objcopy {arg}");
+        files.push(out);
+    }
+    for path in &files {
+        let bytes = std::fs::read(path).unwrap();
+        let file = object::File::parse(&*bytes).unwrap();
+        let (mut sym_bytes, mut debug_bytes) = (0, 0);
+        for s in file.sections() {
+            let name = s.name().unwrap();
+            if matches!(name, ".symtab" | ".strtab" | ".dynsym" | ".dynstr") {
+                sym_bytes += s.size();
+            } else if name.starts_with(".debug_") || name.starts_with(".zdebug_") {
+                debug_bytes += s.compressed_file_range().unwrap().uncompressed_size;
+            }
+        }
+        let loads: Vec<(u64, u64, u64)> = file
+            .segments()
+            .map(|s| (s.file_range().0, s.file_range().1, s.address()))
+            .collect();
+        let facts = super::elf_facts(std::fs::File::open(path).unwrap()).unwrap();
+        let what = path.display();
+        assert_eq!(facts.sym_bytes, sym_bytes, "{what}");
+        assert_eq!(facts.debug_bytes, debug_bytes, "{what}");
+        assert_eq!(facts.loads.len(), loads.len(), "{what}");
+        for (s, l) in facts.loads.iter().zip(&loads) {
+            assert_eq!(
+                super::elf::address_of(std::slice::from_ref(s), l.0),
+                Some(l.2),
+                "{what}"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `f`'s result, or a failed test if it has not returned in 20 s (it opened a FIFO).
 fn unless_it_hangs<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     let (tx, rx) = std::sync::mpsc::channel();
@@ -441,4 +492,39 @@ fn a_debug_file_s_supplementary_file_that_cannot_be_read_leaves_its_dwarf_unread
     let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(n(&metrics.debug_links_not_followed), 1);
     assert_eq!(held, symbols, "symbol tables only are held");
+}
+
+/// A binary whose symbol tables claim a gigabyte is not parsed at all (a parse would
+/// hold a third of that on the heap, every round that met one of its frames).
+#[test]
+fn symbol_tables_over_the_ceiling_are_not_parsed() {
+    use object::read::elf::FileHeader;
+    let me = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+    let header = object::elf::FileHeader64::<object::Endianness>::parse(&*me).unwrap();
+    let endian = header.endian().unwrap();
+    let sections = header.sections(endian, &*me).unwrap();
+    let (index, _) = sections
+        .iter()
+        .enumerate()
+        .find(|(_, s)| sections.section_name(endian, s) == Ok(&b".symtab"[..]))
+        .expect("this test binary has a .symtab");
+    // Elf64_Shdr: sh_size at byte 32 of 64.
+    let at = usize::try_from(header.e_shoff(endian)).unwrap() + index * 64 + 32;
+    let mut huge = me.clone();
+    huge[at..at + 8].copy_from_slice(&(1u64 << 30).to_le_bytes());
+    let path = std::env::temp_dir().join(format!("firn-huge-{}", std::process::id()));
+    std::fs::write(&path, &huge).unwrap();
+    let metrics = Arc::new(Metrics::default());
+    let mut sym = Symbolizer::new(Limits::default(), metrics.clone());
+    let id = sym
+        .load(std::fs::File::open(&path).unwrap().into())
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    marker_function();
+    let off = own_offset(marker_function as *const () as usize);
+    assert_eq!(sym.symbolize(&id, &[off]), vec![None]);
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&metrics.binaries_over_symbol_ceiling), 1);
+    assert_eq!(n(&metrics.symbolize_ns), 0, "nothing parsed");
+    assert_eq!(sym.bytes_held(), 0);
 }
