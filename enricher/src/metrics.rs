@@ -124,6 +124,8 @@ metrics! {
     binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binaries_over_symbol_ceiling: "binaries whose symbol tables are larger than 4 x --symbol-budget (at least 96 MiB): not parsed, frames kept as addresses",
     debug_links_not_followed: "binaries (or their debug files) whose DWARF is reached through links by path (.gnu_debuglink, .gnu_debugaltlink, .debug_sup) with no debug file by build id in the debug directories to stand for it: named from symbol tables only (a binary's links are not followed)",
+    dwarf_not_read_writable: "binaries with DWARF of their own that someone other than root may write: named from symbol tables (a link written into one after firn read it would be followed)",
+    binaries_changed_after_load: "binaries written to after firn read their headers: not parsed, frames kept as addresses",
     debug_files_refused: "debug files by build id that are not regular ELF files (not read)",
     binary_load_errors: "binaries whose ELF could not be read",
     binaries_replaced_by_unstripped: "cached stripped binaries replaced by a copy with the same build id and a symbol table",

@@ -134,7 +134,7 @@ fn confine(s: &Settings) -> Result<confine::Report, ExitCode> {
     })
 }
 
-/// Each cached binary holds an fd: take the hard limit as the soft one.
+/// Each cached binary holds an fd or two: take the hard limit as the soft one.
 fn raise_fd_limit() {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {

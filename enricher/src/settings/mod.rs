@@ -124,7 +124,8 @@ pub(crate) struct Settings {
     #[arg(long, env = "FIRN_HTTP_SELF_PROFILE")]
     pub(crate) http_self_profile: bool,
 
-    /// Binaries kept in the symbol cache (LRU; each holds one open file).
+    /// Binaries kept in the symbol cache (LRU; each holds one open file, two with a
+    /// separate debug file).
     #[arg(long, env = "FIRN_SYMBOL_CACHE", default_value_t = 256,
           value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub(crate) symbol_cache: u32,

@@ -32,12 +32,12 @@ pub(super) struct DebugFile {
 }
 
 /// A debug file found, with what its parse would hold.
-pub(super) struct Opened {
-    pub(super) file: DebugFile,
+struct Opened {
+    file: DebugFile,
     /// Its DWARF with its supplementary file's; 0 when a link of its own could not be
     /// sized (then only its symbol table is read).
-    pub(super) debug_bytes: u64,
-    pub(super) sym_bytes: u64,
+    debug_bytes: u64,
+    sym_bytes: u64,
 }
 
 enum Found {
@@ -84,12 +84,7 @@ fn find(dirs: &[PathBuf], build_id: &[u8]) -> Found {
 }
 
 /// The separate debug file of the binary with `build_id` and segments `loads`.
-pub(super) fn open(
-    dirs: &[PathBuf],
-    build_id: &[u8],
-    loads: &[Segment],
-    metrics: &Metrics,
-) -> Option<Opened> {
+fn open(dirs: &[PathBuf], build_id: &[u8], loads: &[Segment], metrics: &Metrics) -> Option<Opened> {
     let (file, facts) = match find(dirs, build_id) {
         Found::File(file, facts) => (file, facts),
         Found::Refused => {
@@ -123,6 +118,66 @@ pub(super) fn open(
         debug_bytes: linked.map_or(0, |l| facts.debug_bytes.saturating_add(l)),
         sym_bytes: facts.sym_bytes,
     })
+}
+
+/// What a binary's parse reads, and its size in the budget's bytes.
+pub(super) struct Plan {
+    pub(super) debug: Option<DebugFile>,
+    /// Symbol tables: the binary's and its debug file's.
+    pub(super) sym_bytes: u64,
+    /// DWARF: its debug file's (with its supplementary file's), else its own if that
+    /// may be read, else 0.
+    pub(super) debug_bytes: u64,
+}
+
+/// A binary's own DWARF is read only when it has no links and only root can change
+/// it: blazesym maps the file again at each parse, and a link written into it after
+/// we read its headers would be followed. Its debug file by build id is looked up
+/// when its own DWARF is not read, unless that file's symbol tables would put the
+/// parse over `ceiling`.
+pub(super) fn plan(
+    dirs: &[PathBuf],
+    build_id: Option<&[u8]>,
+    facts: Option<&ElfFacts>,
+    st: &nix::sys::stat::FileStat,
+    ceiling: u64,
+    metrics: &Metrics,
+) -> Plan {
+    // A file whose headers we cannot read may still be parsed by blazesym: its
+    // whole size stands for what the parse may hold, and its DWARF is not read.
+    let Some(facts) = facts else {
+        return Plan {
+            debug: None,
+            sym_bytes: u64::try_from(st.st_size).unwrap_or(u64::MAX),
+            debug_bytes: 0,
+        };
+    };
+    let root_only = st.st_uid == 0 && st.st_mode & 0o022 == 0;
+    let own = facts.debug_info && root_only && !facts.links();
+    let debug = match build_id {
+        Some(b) if !own => open(dirs, b, &facts.loads, metrics)
+            .filter(|d| facts.sym_bytes.saturating_add(d.sym_bytes) <= ceiling),
+        _ => None,
+    };
+    if debug.is_none() && !own && facts.debug_info {
+        Metrics::inc(if facts.links() {
+            &metrics.debug_links_not_followed
+        } else {
+            &metrics.dwarf_not_read_writable
+        });
+    }
+    match debug {
+        Some(d) => Plan {
+            sym_bytes: facts.sym_bytes.saturating_add(d.sym_bytes),
+            debug_bytes: d.debug_bytes,
+            debug: Some(d.file),
+        },
+        None => Plan {
+            debug: None,
+            sym_bytes: facts.sym_bytes,
+            debug_bytes: if own { facts.debug_bytes } else { 0 },
+        },
+    }
 }
 
 pub(super) type Looked = Result<Vec<Option<Lines>>, blazesym::Error>;

@@ -22,6 +22,9 @@ pub(super) struct ElfFacts {
     pub(super) symtab: bool,
     /// Uncompressed size of its DWARF sections (`.debug_*`, `.zdebug_*`).
     pub(super) debug_bytes: u64,
+    /// Has `.debug_info`: DWARF worth reading (a Rust binary stripped of it keeps
+    /// `.debug_gdb_scripts`).
+    pub(super) debug_info: bool,
     /// Size of its symbol and string tables (`.symtab`, `.strtab`, `.dynsym`, `.dynstr`).
     pub(super) sym_bytes: u64,
     /// Names another file by path for its DWARF (`.gnu_debuglink`, `.debug_sup`).
@@ -55,6 +58,9 @@ pub(super) fn address_of(loads: &[Segment], offset: u64) -> Option<u64> {
     })
 }
 
+/// A path (PATH_MAX) and a build id: a longer `.gnu_debugaltlink` is not read.
+const ALT_LINK_MAX: u64 = 4096 + 1 + 64;
+
 /// Reads only the ELF, program and section headers and the link sections (through a
 /// read cache, never the whole file: `object`'s `ElfFile` would read every symbol
 /// table, 26 MiB of rustc's libLLVM, for a load that wants their sizes).
@@ -65,6 +71,12 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
     fn of<'a, E: FileHeader<Endian = Endianness>, R: ReadRef<'a>>(data: R) -> Option<ElfFacts> {
         let header = E::parse(data).ok()?;
         let endian = header.endian().ok()?;
+        // blazesym reads every ELF in this machine's byte order, whatever its header
+        // says: a file in the other order is read two ways, and the section names one
+        // parser sees are not the other's.
+        if endian != Endianness::default() {
+            return None;
+        }
         let sections = header.sections(endian, data).ok()?;
         let mut facts = ElfFacts::default();
         for s in sections.iter() {
@@ -81,8 +93,12 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
                 }
                 b".gnu_debuglink" | b".debug_sup" => facts.debug_link = true,
                 b".gnu_debugaltlink" => {
-                    // A path, NUL, then the build id.
-                    let bytes = s.data(endian, data).unwrap_or_default();
+                    // A path, NUL, then the build id; read at most that much.
+                    let bytes = s
+                        .file_range(endian)
+                        .filter(|&(_, size)| size <= ALT_LINK_MAX)
+                        .and_then(|(at, size)| data.read_bytes_at(at, size).ok())
+                        .unwrap_or_default();
                     let id = bytes
                         .iter()
                         .position(|&b| b == 0)
@@ -90,6 +106,7 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
                     facts.alt_link = Some(id.to_vec());
                 }
                 n if n.starts_with(b".debug_") || n.starts_with(b".zdebug_") => {
+                    facts.debug_info |= matches!(n, b".debug_info" | b".zdebug_info");
                     let inflated = match s.compression(endian, data) {
                         Ok(Some((ch, _, _))) => Some(ch.ch_size(endian).into()),
                         // GNU style: "ZLIB" and the size, big-endian.

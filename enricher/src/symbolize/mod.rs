@@ -33,8 +33,8 @@ mod elf;
 mod room;
 
 use debug_file::DebugFile;
+use elf::elf_facts;
 pub(crate) use elf::hex;
-use elf::{elf_facts, ElfFacts};
 use nix::sys::stat::fstat;
 use room::{Floor, Room};
 
@@ -74,7 +74,7 @@ pub(crate) fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
 /// tables are built on the heap.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// Binaries kept open (LRU; each holds one fd and its symbol tables).
+    /// Binaries kept open (LRU; each holds one fd, two with a separate debug file).
     pub binaries: usize,
     /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
     /// or its separate debug file's) whose parsed state is held at once. Past it parses
@@ -142,9 +142,11 @@ struct Loaded {
     parse_ns: Option<u64>,
     /// Its worth held ([`room`]): set when its parse is needed.
     credit: f64,
-    /// Never parsed (again): the parser panicked on it once, or its symbol tables
-    /// are over the ceiling ([`Limits::ceiling`]).
+    /// Never parsed (again): the parser panicked on it once, its symbol tables are
+    /// over the ceiling ([`Limits::ceiling`]), or it changed since it was loaded.
     unparsed: bool,
+    /// Size, modification and change times at load ([`stamp`]).
+    stamp: [i64; 5],
 }
 
 pub struct Symbolizer {
@@ -271,33 +273,18 @@ impl Symbolizer {
         self.by_file.insert((dev, ino), id.clone());
         Metrics::inc(&self.metrics.binaries_loaded);
         let facts = facts.or_else(|| facts_of(&path));
-        // A file whose headers `object` cannot read may still be parsed by blazesym:
-        // its whole size stands for what the parse may hold, and its DWARF (whose
-        // links could not be seen) is not read.
-        let mut sym_bytes = facts
-            .as_ref()
-            .map_or(u64::try_from(st.st_size).unwrap_or(u64::MAX), |f| {
-                f.sym_bytes
-            });
-        let own_links = facts.as_ref().is_some_and(ElfFacts::links);
-        let own_debug = facts.as_ref().map_or(0, |f| f.debug_bytes);
-        let debug = match (build_id.as_deref(), &facts) {
-            (Some(b), Some(f)) if own_links || own_debug == 0 => {
-                debug_file::open(&self.debug_dirs, b, &f.loads, &self.metrics)
-            }
-            _ => None,
-        };
-        let debug_bytes = match &debug {
-            Some(d) => d.debug_bytes,
-            // Its DWARF would be read through links by path: not at all.
-            None if own_links => {
-                Metrics::inc(&self.metrics.debug_links_not_followed);
-                0
-            }
-            None => own_debug,
-        };
-        sym_bytes = sym_bytes.saturating_add(debug.as_ref().map_or(0, |d| d.sym_bytes));
-        let debug = debug.map(|d| d.file);
+        let debug_file::Plan {
+            debug,
+            sym_bytes,
+            debug_bytes,
+        } = debug_file::plan(
+            &self.debug_dirs,
+            build_id.as_deref(),
+            facts.as_ref(),
+            &st,
+            self.limits.ceiling(),
+            &self.metrics,
+        );
         let budget = self.limits.budget_bytes;
         let dwarf = debug_bytes > 0 && sym_bytes.saturating_add(debug_bytes) <= budget;
         if debug_bytes > 0 && !dwarf {
@@ -342,6 +329,7 @@ impl Symbolizer {
             parse_ns: None,
             credit: 0.0,
             unparsed,
+            stamp: stamp(&st),
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
             if old_id != id {
@@ -404,6 +392,25 @@ impl Symbolizer {
         true
     }
 
+    /// Whether the file changed since its headers were read (so what a parse would
+    /// read now was not sized, nor checked for links); then it is never parsed
+    /// again, and a parse held of it is dropped.
+    fn changed_since_load(&mut self, id: &BinaryId) -> bool {
+        let Some(bin) = self.binaries.peek_mut(id) else {
+            return true;
+        };
+        if fstat(&bin.fd).is_ok_and(|st| stamp(&st) == bin.stamp) {
+            return false;
+        }
+        bin.unparsed = true;
+        if bin.parsed.take().is_some() {
+            self.bytes_held -= bin.cost;
+        }
+        Metrics::inc(&self.metrics.binaries_changed_after_load);
+        tracing::info!(binary = ?id, "binary changed since it was loaded: not parsed, its frames stay addresses");
+        true
+    }
+
     /// Lines for each file offset (None: no symbol covers it).
     pub fn symbolize(&mut self, id: &BinaryId, offsets: &[u64]) -> Vec<Option<Lines>> {
         let Some(bin) = self.binaries.get(id) else {
@@ -432,7 +439,7 @@ impl Symbolizer {
             (offsets.len() - misses.len().min(offsets.len())) as u64,
         );
         let mut fresh: HashMap<u64, Option<Lines>> = HashMap::new();
-        if !misses.is_empty() {
+        if !misses.is_empty() && !self.changed_since_load(id) {
             Metrics::add(&self.metrics.symbol_cache_misses, misses.len() as u64);
             // A parse larger than the whole budget is made for this round only: making
             // room for it would only make the others parse again. A parse held already
@@ -513,6 +520,17 @@ impl Symbolizer {
     }
 }
 
+/// What changes when a file is written to.
+fn stamp(st: &nix::sys::stat::FileStat) -> [i64; 5] {
+    [
+        st.st_size,
+        st.st_mtime,
+        st.st_mtime_nsec,
+        st.st_ctime,
+        st.st_ctime_nsec,
+    ]
+}
+
 /// A blazesym symbolizer for one binary's parse.
 fn parser(debug_dirs: &[PathBuf]) -> blazesym::symbolize::Symbolizer {
     blazesym::symbolize::Symbolizer::builder()
@@ -525,5 +543,7 @@ fn parser(debug_dirs: &[PathBuf]) -> blazesym::symbolize::Symbolizer {
         .build()
 }
 
+#[cfg(test)]
+mod file_tests;
 #[cfg(test)]
 mod tests;
