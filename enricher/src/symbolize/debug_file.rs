@@ -5,10 +5,12 @@
 //! are its author's to write, and the paths they name any local user's: blazesym
 //! follows them by path, so a FIFO there blocked the enricher's round (opening a FIFO
 //! waits for a writer) and a file there could hold any amount of DWARF, uncounted in
-//! the budget. So blazesym never reads a binary's DWARF when the binary has links; its
-//! debug file is looked up here by build id only, under directories root writes
-//! (`/usr/lib/debug`), as gdb and perf look them up. That file's own links (dwz's
-//! supplementary file) are then resolved from those directories, and counted.
+//! the budget. So blazesym never reads a binary's DWARF when the binary has links, nor
+//! when someone other than root may write the file (a link written after we read its
+//! headers would be followed); its debug file is looked up here by build id only,
+//! under directories root writes (`/usr/lib/debug`), as gdb and perf look them up.
+//! That file's own links (dwz's supplementary file) are then resolved from those
+//! directories, and counted.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
