@@ -14,6 +14,10 @@ fn memfd(data: &[u8]) -> OwnedFd {
     // SAFETY: memfd_create with a valid C string; the fd is owned from here on.
     let fd = unsafe { libc::memfd_create(c"fuzz-elf".as_ptr(), libc::MFD_CLOEXEC) };
     assert!(fd >= 0, "memfd_create");
+    // The symbolizer reads a file's own DWARF only when no one but root may write it
+    // (a memfd is born 0777): 0755 keeps that parser fuzzed (the fuzzer runs as root).
+    // SAFETY: fchmod on the fd just created.
+    unsafe { libc::fchmod(fd, 0o755) };
     // SAFETY: fd was just created and is owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let mut file = std::fs::File::from(fd);
