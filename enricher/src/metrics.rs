@@ -121,6 +121,7 @@ metrics! {
     symbolize_ns: "nanoseconds spent in the symbolizer on frames not in the frame cache (parses included)",
     symbol_parses_transient: "parses of binaries whose symbol tables alone exceed --symbol-budget (dropped after the round)",
     symbol_parses_not_kept: "parses dropped after the round: keeping them would have dropped parses that cost more to make again and were needed more lately",
+    symbol_parses_lean: "parses not kept that were made from the symbol tables alone (no DWARF on a full budget): frames named without file:line for the round, not cached",
     binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binaries_over_symbol_ceiling: "binaries whose symbol tables are larger than 4 x --symbol-budget (at least 96 MiB): not parsed, frames kept as addresses",
     debug_links_not_followed: "binaries (or their debug files) whose DWARF is reached through links by path (.gnu_debuglink, .gnu_debugaltlink, .debug_sup) with no debug file by build id in the debug directories to stand for it: named from symbol tables only (a binary's links are not followed)",

@@ -79,7 +79,9 @@ pub struct Limits {
     /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
     /// or its separate debug file's) whose parsed state is held at once. Past it parses
     /// are dropped, those cheapest to make again and longest unneeded first (their
-    /// frames already named stay cached). A binary whose tables and DWARF together are
+    /// frames already named stay cached); a parse worth less than those it would push
+    /// out is made for the round from its symbol tables alone, its frames not cached.
+    /// A binary whose tables and DWARF together are
     /// larger is named from its symbol tables only: functions, no file:line and no
     /// inline frames; one whose symbol tables alone are larger is parsed for the round
     /// and dropped at once, up to [`Limits::ceiling`].
@@ -447,6 +449,11 @@ impl Symbolizer {
             // (A budget of 0 keeps nothing, whatever a parse is estimated at.)
             let over = cost > self.limits.budget_bytes || self.limits.budget_bytes == 0;
             let keep = !over && (held || self.make_room(id, cost, parse_ns));
+            // A parse not kept for room reads no DWARF: made whole, it would sit on a
+            // full budget for the round (under churn, the enricher's peak). Its frames
+            // are named from the symbol tables and not cached, so that they get their
+            // file:line once the binary's parse is held.
+            let lean = !keep && !over && dwarf;
             let Some(bin) = self.binaries.peek_mut(id) else {
                 return vec![None; offsets.len()];
             };
@@ -456,11 +463,12 @@ impl Symbolizer {
                 .unwrap_or_else(|| parser(&self.debug_dirs));
             let started = std::time::Instant::now();
             let result = contained(|| {
-                debug_file::lookup(&parsed, &path, dwarf, bin.debug.as_ref(), &misses)
+                debug_file::lookup(&parsed, &path, dwarf && !lean, bin.debug.as_ref(), &misses)
             });
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             Metrics::add(&self.metrics.symbolize_ns, took);
-            if !held {
+            // A lean parse's time says nothing of what the whole one costs.
+            if !held && !lean {
                 bin.parse_ns = Some(took);
             }
             let Some(result) = result else {
@@ -486,6 +494,9 @@ impl Symbolizer {
                 Metrics::inc(&self.metrics.symbol_parses_transient);
             } else {
                 Metrics::inc(&self.metrics.symbol_parses_not_kept);
+                if lean {
+                    Metrics::inc(&self.metrics.symbol_parses_lean);
+                }
             }
             if !held {
                 tracing::debug!(
@@ -494,6 +505,7 @@ impl Symbolizer {
                     took_us = took / 1000,
                     keep,
                     reparse = bin.dropped,
+                    lean,
                     "symbols parsed"
                 );
             }
@@ -503,6 +515,9 @@ impl Symbolizer {
             });
             for (&off, lines) in misses.iter().zip(results) {
                 fresh.insert(off, lines.clone());
+                if lean {
+                    continue;
+                }
                 if let Some((key, _)) = self.frames.push((serial, off), lines) {
                     if key != (serial, off) {
                         Metrics::inc(&self.metrics.symbol_frames_evicted);

@@ -285,3 +285,42 @@ fn facts_from_the_headers_agree_with_object_s_parser() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A parse that is not kept (worth less than the held one it would push out) reads no
+/// DWARF: made whole it would sit on a full budget. Its frames are named from the
+/// symbol table for the round and not cached, and the time of the whole parse stays
+/// what its credit is made of.
+#[test]
+fn a_parse_not_kept_is_made_from_the_symbol_tables_and_not_cached() {
+    let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
+    let open = |p: &str| std::fs::File::open(p).unwrap().into();
+    let (_, mut sym, _) = symbolize_self(u64::MAX);
+    let own = sym.bytes_held();
+    let id = sym.load(open(libc)).unwrap();
+    sym.symbolize(&id, &[0x30000]);
+    let theirs = sym.bytes_held() - own;
+    // Room for either, not both: this binary first, then libc (a newcomer, let in).
+    let (lines, mut sym, metrics) = symbolize_self(own.max(theirs));
+    assert!(lines.is_some_and(|l| l.iter().any(|l| !l.file.is_empty())));
+    let me = sym.load(open("/proc/self/exe")).unwrap();
+    let libc = sym.load(open(libc)).unwrap();
+    sym.symbolize(&libc, &[0x30000]);
+    // This binary's whole parse made cheap: worth less than libc's.
+    sym.binaries.peek_mut(&me).unwrap().parse_ns = Some(1);
+    let frames = sym.frames_cached();
+    let off = own_offset(marker_function as *const () as usize) + 1;
+    for _ in 0..2 {
+        let lines = sym.symbolize(&me, &[off]).remove(0).expect("named");
+        assert!(lines.iter().any(|l| l.function.contains("marker_function")));
+        assert!(lines.iter().all(|l| l.file.is_empty()), "{lines:?}");
+    }
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        n(&metrics.symbol_parses_lean),
+        2,
+        "not cached: parsed each time"
+    );
+    assert_eq!(sym.frames_cached(), frames);
+    assert_eq!(sym.binaries.peek(&me).unwrap().parse_ns, Some(1));
+    assert!(sym.binaries.peek(&libc).unwrap().parsed.is_some());
+}
