@@ -129,12 +129,19 @@ fn a_held_parse_meeting_new_offsets_drops_no_other() {
     assert_eq!(dropped, 0);
 }
 
-/// Two parses that do not fit the budget together, each needed every round (new
-/// frames in both): one stays held and the other is made for the round and not kept,
-/// instead of each dropping the other every round.
-#[test]
-fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
-    const ROUNDS: u64 = 8;
+/// A symbolizer with room for this test binary's parse or libc's, not both; this
+/// binary's parsed first (its marker's lines), both loaded.
+struct RoomForOne {
+    lines: Option<Lines>,
+    sym: Symbolizer,
+    metrics: Arc<Metrics>,
+    own: u64,
+    theirs: u64,
+    me: BinaryId,
+    libc: BinaryId,
+}
+
+fn room_for_one() -> RoomForOne {
     let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
     let open = |p: &str| std::fs::File::open(p).unwrap().into();
     let (_, mut sym, _) = symbolize_self(u64::MAX);
@@ -142,10 +149,35 @@ fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
     let id = sym.load(open(libc)).unwrap();
     sym.symbolize(&id, &[0x30000]);
     let theirs = sym.bytes_held() - own;
-    // Room for either, not both.
-    let (_, mut sym, metrics) = symbolize_self(own.max(theirs));
+    let (lines, mut sym, metrics) = symbolize_self(own.max(theirs));
     let me = sym.load(open("/proc/self/exe")).unwrap();
     let libc = sym.load(open(libc)).unwrap();
+    RoomForOne {
+        lines,
+        sym,
+        metrics,
+        own,
+        theirs,
+        me,
+        libc,
+    }
+}
+
+/// Two parses that do not fit the budget together, each needed every round (new
+/// frames in both): one stays held and the other is made for the round and not kept,
+/// instead of each dropping the other every round.
+#[test]
+fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
+    const ROUNDS: u64 = 8;
+    let RoomForOne {
+        mut sym,
+        metrics,
+        own,
+        theirs,
+        me,
+        libc,
+        ..
+    } = room_for_one();
     let mine = own_offset(marker_function as *const () as usize);
     // What each parse takes, pinned (measured, they would make the test's outcome
     // depend on the machine's load): libc's costs three times as much a byte. After
@@ -292,18 +324,16 @@ fn facts_from_the_headers_agree_with_object_s_parser() {
 /// what its credit is made of.
 #[test]
 fn a_parse_not_kept_is_made_from_the_symbol_tables_and_not_cached() {
-    let libc = "/usr/lib/x86_64-linux-gnu/libc.so.6";
-    let open = |p: &str| std::fs::File::open(p).unwrap().into();
-    let (_, mut sym, _) = symbolize_self(u64::MAX);
-    let own = sym.bytes_held();
-    let id = sym.load(open(libc)).unwrap();
-    sym.symbolize(&id, &[0x30000]);
-    let theirs = sym.bytes_held() - own;
-    // Room for either, not both: this binary first, then libc (a newcomer, let in).
-    let (lines, mut sym, metrics) = symbolize_self(own.max(theirs));
+    // This binary first, then libc (a newcomer, let in).
+    let RoomForOne {
+        lines,
+        mut sym,
+        metrics,
+        me,
+        libc,
+        ..
+    } = room_for_one();
     assert!(lines.is_some_and(|l| l.iter().any(|l| !l.file.is_empty())));
-    let me = sym.load(open("/proc/self/exe")).unwrap();
-    let libc = sym.load(open(libc)).unwrap();
     sym.symbolize(&libc, &[0x30000]);
     // This binary's whole parse made cheap: worth less than libc's.
     sym.binaries.peek_mut(&me).unwrap().parse_ns = Some(1);
