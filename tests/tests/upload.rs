@@ -227,13 +227,9 @@ fn otlp_and_parca_receive_what_the_local_sink_wrote() {
         assert_eq!(Some(*n), local.get(t).copied(), "round {t}");
         assert_eq!(*ns, local[t] * period, "round {t}");
     }
-    // A sample taken between the fork and the exec is the test binary's process under
-    // the same pid (its own profile, in whichever order the round lists them).
-    let res = samples
-        .iter()
-        .map(|p| &p["resource"])
-        .find(|r| r["process.executable.name"] == "busy")
-        .unwrap_or_else(|| panic!("no profile of the pid is named busy: {samples:#?}"));
+    // A sample between the fork and the exec is the test binary's process (same pid).
+    let busy = |p: &&Value| p["resource"]["process.executable.name"] == "busy";
+    let res = &samples.iter().find(busy).expect("busy's profile")["resource"];
     assert_eq!(res["service.name"], "busy");
     assert!(
         res["host.name"].as_str().is_some_and(|h| !h.is_empty()),
