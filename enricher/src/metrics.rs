@@ -121,6 +121,8 @@ metrics! {
     symbolize_ns: "nanoseconds spent in the symbolizer on frames not in the frame cache (parses included)",
     symbol_parses_transient: "parses of binaries whose symbol tables alone exceed --symbol-budget (dropped after the round)",
     symbol_parses_not_kept: "parses dropped after the round: keeping them would have dropped parses that cost more to make again and were needed more lately",
+    symbol_table_scans: "parses not kept made by reading the symbol tables through a small buffer (blazesym would map and index them for the round)",
+    symbol_table_scan_errors: "symbol table reads that failed (those frames kept as addresses for the round)",
     symbol_parses_lean: "parses not kept that were made from the symbol tables alone (no DWARF on a full budget): frames named without file:line for the round, not cached",
     binaries_over_symbol_budget: "binaries whose DWARF does not fit --symbol-budget (named from symbol tables only)",
     binaries_over_symbol_ceiling: "binaries whose symbol tables are larger than 4 x --symbol-budget (at least 96 MiB): not parsed, frames kept as addresses",

@@ -49,6 +49,14 @@ fuzz_target!(
         .collect();
     let out = sym.symbolize(&id, &offsets);
     assert_eq!(out.len(), offsets.len());
+    // A budget of 0 keeps no parse: the symbol tables are read by the scan instead.
+    let mut scan = Symbolizer::new(
+        Limits { binaries: 2, budget_bytes: 0, ..Limits::default() },
+        Arc::new(Metrics::default()),
+    );
+    if let Ok(id) = scan.load(memfd(data)) {
+        assert_eq!(scan.symbolize(&id, &offsets).len(), offsets.len());
+    }
     let _ = sym.build_id(&id);
     let _ = sym.stripped(&id);
 });

@@ -12,7 +12,7 @@
 //! That file's own links (dwz's supplementary file) are then resolved from those
 //! directories, and counted.
 
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use blazesym::symbolize::source::{Elf, Source};
@@ -20,17 +20,26 @@ use blazesym::symbolize::{Input, Symbolizer};
 
 use super::contained;
 use super::elf::{address_of, elf_facts, hex, owned_lines, ElfFacts, Segment};
+use super::symtab::Tables;
 use crate::metrics::Metrics;
 use crate::model::Lines;
 
 /// A binary's separate debug file, held open while the binary is cached; blazesym
 /// reads it as `/proc/self/fd/N`.
 pub(super) struct DebugFile {
-    _fd: OwnedFd,
+    owned: OwnedFd,
     path: PathBuf,
     /// The binary's segments: frames are file offsets in the binary, and the debug
     /// file's segments have no file bytes to find them in.
     loads: Vec<Segment>,
+    /// Where its symbol tables lie (a 64-bit file).
+    pub(super) tables: Option<Tables>,
+}
+
+impl DebugFile {
+    pub(super) fn fd(&self) -> BorrowedFd<'_> {
+        self.owned.as_fd()
+    }
 }
 
 /// A debug file found, with what its parse would hold.
@@ -114,8 +123,9 @@ fn open(dirs: &[PathBuf], build_id: &[u8], loads: &[Segment], metrics: &Metrics)
     Some(Opened {
         file: DebugFile {
             path: PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())),
-            _fd: fd,
+            owned: fd,
             loads: loads.to_vec(),
+            tables: facts.tables,
         },
         debug_bytes: linked.map_or(0, |l| facts.debug_bytes.saturating_add(l)),
         sym_bytes: facts.sym_bytes,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use blazesym::symbolize::{CodeInfo, Sym, Symbolized};
 use object::read::ReadCache;
 
+use super::symtab::{Table, Tables};
 use crate::model::{Line, Lines};
 
 pub(super) fn owned_lines(r: Symbolized<'_>) -> Option<Lines> {
@@ -34,6 +35,8 @@ pub(super) struct ElfFacts {
     pub(super) alt_link: Option<Vec<u8>>,
     /// Its `PT_LOAD` segments, to turn file offsets into addresses.
     pub(super) loads: Vec<Segment>,
+    /// Where its symbol tables lie, for a 64-bit file ([`super::symtab`]).
+    pub(super) tables: Option<Tables>,
 }
 
 impl ElfFacts {
@@ -45,9 +48,9 @@ impl ElfFacts {
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Segment {
-    offset: u64,
-    size: u64,
-    address: u64,
+    pub(super) offset: u64,
+    pub(super) size: u64,
+    pub(super) address: u64,
 }
 
 /// The address a file offset is loaded at, as blazesym finds it for a file offset
@@ -79,6 +82,8 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
         }
         let sections = header.sections(endian, data).ok()?;
         let mut facts = ElfFacts::default();
+        let (mut seen, mut ranges) = ([false; 4], [None; 4]);
+        let mut minidebuginfo = false;
         for s in sections.iter() {
             // A name we cannot read might be a link blazesym can: taken as one.
             let Ok(name) = sections.section_name(endian, s) else {
@@ -90,7 +95,20 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
                 b".symtab" | b".strtab" | b".dynsym" | b".dynstr" => {
                     facts.symtab |= name == b".symtab";
                     facts.sym_bytes = facts.sym_bytes.saturating_add(size);
+                    // The first of each name, as blazesym takes them (string tables
+                    // by name too, not by link); no file bytes, no table.
+                    let i = [b".symtab", b".strtab", b".dynsym", b".dynstr"]
+                        .iter()
+                        .position(|n| &n[..] == name)
+                        .unwrap_or(0);
+                    if !seen[i] {
+                        seen[i] = true;
+                        ranges[i] = s.file_range(endian);
+                    }
                 }
+                // MiniDebugInfo: blazesym reads an xz-compressed symbol table; the scan
+                // does not.
+                b".gnu_debugdata" => minidebuginfo = true,
                 b".gnu_debuglink" | b".debug_sup" => facts.debug_link = true,
                 b".gnu_debugaltlink" => {
                     // A path, NUL, then the build id; read at most that much.
@@ -134,6 +152,16 @@ pub(super) fn elf_facts(file: std::fs::File) -> Option<ElfFacts> {
                 address: p.p_vaddr(endian).into(),
             })
             .collect();
+        let table = |syms: Option<(u64, u64)>, strs| {
+            Some(Table {
+                syms: syms?,
+                strs: strs?,
+            })
+        };
+        facts.tables = (header.is_type_64() && !minidebuginfo).then(|| Tables {
+            symtab: table(ranges[0], ranges[1]),
+            dynsym: table(ranges[2], ranges[3]),
+        });
         Some(facts)
     }
     let cache = ReadCache::new(file);

@@ -24,13 +24,14 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 mod debug_file;
 mod elf;
 mod room;
+mod symtab;
 
 use debug_file::DebugFile;
 use elf::elf_facts;
@@ -149,6 +150,9 @@ struct Loaded {
     unparsed: bool,
     /// Size, modification and change times at load ([`stamp`]).
     stamp: [i64; 5],
+    /// Where its symbol tables lie (a 64-bit file), and its segments.
+    tables: Option<symtab::Tables>,
+    loads: Vec<elf::Segment>,
 }
 
 pub struct Symbolizer {
@@ -322,7 +326,7 @@ impl Symbolizer {
             path,
             serial: self.next_serial,
             build_id,
-            stripped: facts.map(|f| !f.symtab),
+            stripped: facts.as_ref().map(|f| !f.symtab),
             dwarf,
             debug,
             cost: sym_bytes + if dwarf { debug_bytes } else { 0 },
@@ -332,6 +336,8 @@ impl Symbolizer {
             credit: 0.0,
             unparsed,
             stamp: stamp(&st),
+            tables: facts.as_ref().and_then(|f| f.tables),
+            loads: facts.as_ref().map(|f| f.loads.clone()).unwrap_or_default(),
         };
         if let Some((old_id, old)) = self.binaries.push(id.clone(), loaded) {
             if old_id != id {
@@ -457,13 +463,33 @@ impl Symbolizer {
             let Some(bin) = self.binaries.peek_mut(id) else {
                 return vec![None; offsets.len()];
             };
-            let parsed = bin
-                .parsed
-                .take()
-                .unwrap_or_else(|| parser(&self.debug_dirs));
+            // A parse not kept reads the symbol tables through a small buffer when it
+            // can: blazesym would map them and index every symbol for the round.
+            let scan = (!keep)
+                .then(|| symtab::Scan::of(bin.tables.as_ref()?, &bin.loads, bin.debug.as_ref()))
+                .flatten();
+            let parsed = match scan {
+                Some(_) => None,
+                None => Some(
+                    bin.parsed
+                        .take()
+                        .unwrap_or_else(|| parser(&self.debug_dirs)),
+                ),
+            };
             let started = std::time::Instant::now();
-            let result = contained(|| {
-                debug_file::lookup(&parsed, &path, dwarf && !lean, bin.debug.as_ref(), &misses)
+            let result = contained(|| match (&scan, &parsed) {
+                (Some(scan), _) => {
+                    Metrics::inc(&self.metrics.symbol_table_scans);
+                    scan.lookup(bin.fd.as_fd(), &misses).map_err(|e| {
+                        Metrics::inc(&self.metrics.symbol_table_scan_errors);
+                        e.to_string()
+                    })
+                }
+                (None, Some(parsed)) => {
+                    debug_file::lookup(parsed, &path, dwarf && !lean, bin.debug.as_ref(), &misses)
+                        .map_err(|e| e.to_string())
+                }
+                (None, None) => Ok(vec![None; misses.len()]),
             });
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             Metrics::add(&self.metrics.symbolize_ns, took);
@@ -482,7 +508,7 @@ impl Symbolizer {
                 return vec![None; offsets.len()];
             };
             if keep {
-                bin.parsed = Some(parsed);
+                bin.parsed = parsed;
                 bin.credit = self.floor.credit(bin.parse_ns.unwrap_or(took), cost);
                 if !held {
                     self.bytes_held += cost;

@@ -350,6 +350,8 @@ fn a_parse_not_kept_is_made_from_the_symbol_tables_and_not_cached() {
         2,
         "not cached: parsed each time"
     );
+    // Read through a small buffer, not parsed by blazesym.
+    assert_eq!(n(&metrics.symbol_table_scans), 2);
     assert_eq!(sym.frames_cached(), frames);
     assert_eq!(sym.binaries.peek(&me).unwrap().parse_ns, Some(1));
     assert!(sym.binaries.peek(&libc).unwrap().parsed.is_some());
