@@ -138,7 +138,12 @@ impl Enricher {
             Err(BrokerError::Refused(r)) => {
                 Metrics::inc(&m.broker_refusals);
                 tracing::debug!(path, reason = ?r, "broker refused a binary for its unwind table");
-                Err(State::Retry(round + RETRY_ROUNDS))
+                // A newer reading of the process's mappings: tried with its announcement.
+                use firn_schema::firn_capnp::Refusal as R;
+                Err(match r {
+                    R::UnknownProcess | R::UnknownMapping => State::Retry(round),
+                    _ => State::Retry(round + RETRY_ROUNDS),
+                })
             }
             Err(e) => {
                 Metrics::inc(&m.broker_errors);
@@ -174,9 +179,12 @@ impl Enricher {
                 tracing::info!(path, rows, reason = ?r, "the sampler refused an unwind table; this binary is walked by frame pointers");
                 use firn_schema::firn_capnp::TableRefusal as T;
                 match r {
-                    T::RateLimited | T::OutOfOrder | T::UnknownProcess | T::UnknownMapping => {
-                        State::Retry(round + 1)
-                    }
+                    // The sampler holds a newer reading of the process's mappings (the
+                    // first was read while the loader was still mapping libraries): its
+                    // announcement follows, and the table goes with it, not a round
+                    // later (a Python process's native frames for its first 10 s).
+                    T::UnknownProcess | T::UnknownMapping => State::Retry(round),
+                    T::RateLimited | T::OutOfOrder => State::Retry(round + 1),
                     // Room may be made, and another subscription's tables go with it.
                     T::NoRoom | T::NotOwner => State::Retry(round + RETRY_ROUNDS),
                     _ => State::Given,

@@ -21,11 +21,20 @@ struct FakeLink {
     /// The (process id, mapping index, version) of the last table loaded.
     last_load: Cell<(u64, u32, u32)>,
     interpreters: RefCell<std::collections::HashMap<u64, u32>>,
+    /// Records older than these versions are unknown to opens and to table loads, as
+    /// to a sampler that read the process's mappings again since.
+    stale_opens: u32,
+    stale_loads: u32,
 }
 
 impl SamplerLink for FakeLink {
-    async fn open(&self, _: u64, _: u32, _: u32) -> Result<OwnedFd, BrokerError> {
+    async fn open(&self, _: u64, _: u32, version: u32) -> Result<OwnedFd, BrokerError> {
         self.opens.set(self.opens.get() + 1);
+        if version < self.stale_opens {
+            return Err(BrokerError::Refused(
+                firn_schema::firn_capnp::Refusal::UnknownProcess,
+            ));
+        }
         if self.refuse {
             return Err(BrokerError::Refused(
                 firn_schema::firn_capnp::Refusal::ProcessGone,
@@ -43,6 +52,11 @@ impl SamplerLink for FakeLink {
         version: u32,
         rows: &[u8],
     ) -> Result<(), TableSendError> {
+        if version < self.stale_loads {
+            return Err(TableSendError::Refused(
+                firn_schema::firn_capnp::TableRefusal::UnknownProcess,
+            ));
+        }
         self.last_load.set((id, index, version));
         self.loaded_rows
             .set(self.loaded_rows.get() + rows.len() / 8);
@@ -294,6 +308,30 @@ fn an_announced_process_gets_its_tables_before_any_round_within_the_budget() {
         other.loaded_rows.get() > 100,
         "sent once the budget is back"
     );
+}
+
+#[test]
+fn a_table_refused_for_a_stale_record_goes_with_the_next_announcement_not_a_round_later() {
+    let addr = marker_function();
+    // Refused by the broker, or (the binary opened with the first reading) by the
+    // table load: either way the sampler has read the mappings again.
+    for (stale_opens, stale_loads) in [(2, 0), (0, 2)] {
+        let mut e = enricher();
+        let link = FakeLink {
+            stale_opens,
+            stale_loads,
+            ..Default::default()
+        };
+        let mut v1 = batch(1, addr, true).processes;
+        v1[0].first_sample_ns = firn_schema::boot_ns();
+        run(e.announced(v1.clone(), Some(&link)));
+        assert_eq!(link.loaded_rows.get(), 0, "refused: a stale record");
+        let mut v2 = v1;
+        v2[0].mappings_version = 2;
+        run(e.announced(v2, Some(&link)));
+        assert!(link.loaded_rows.get() > 100, "sent with the new reading");
+        assert_eq!(link.last_load.get(), (1, 0, 2));
+    }
 }
 
 /// Runs `f` on a current-thread runtime, as the enricher does (builds aside need one).
