@@ -68,6 +68,17 @@ static __always_inline __u32 remember_mapping(struct firn_unwind_state *st, __u3
 	return kind;
 }
 
+/* One step of a binary search for the last entry at or below a key, its bounds moved by
+ * masks, not branches: `below` is all ones when entry `mid` is at or below the key. A
+ * branch per step doubles the paths the verifier walks, and which way a step goes
+ * depends on the pc (a predictor cold again 10 ms after the last sample misses half).
+ * A macro: a function taking the bounds by pointer cost the verifier 3× the instructions. */
+#define NARROW(lo, hi, mid, below)                                                       \
+	do {                                                                             \
+		(lo) ^= ((lo) ^ ((mid) + 1)) & (__u32)(below);                           \
+		(hi) ^= ((hi) ^ (mid)) & ~(__u32)(below);                                \
+	} while (0)
+
 /* Finds the executable mapping holding `pc` and caches it with its table. */
 static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc)
 {
@@ -76,7 +87,6 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 	struct firn_mapping_memo *m;
 	struct firn_table *t;
 	__u32 lo = 0, hi, mid, idx, j, hit = FIRN_MAPPING_MEMO;
-	__u64 below;
 
 	if (st->cached && pc >= st->c_start && pc < st->c_end)
 		return st->cached;
@@ -105,18 +115,16 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 		hi = FIRN_MAX_MAPPINGS;
 		st->unmapped = 2;
 	}
-	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. The bounds move by
-	 * masks, as in find_row: a branch per step doubled the paths the verifier walks
-	 * (kernels whose pruning keeps them apart went past its 1 M instructions). */
+	/* Last mapping starting at or below pc; 2^7 > FIRN_MAX_MAPPINGS. With a branch per
+	 * step, kernels whose pruning keeps the paths apart went past the verifier's 1 M
+	 * instructions. */
 	for (j = 0; j < 7 && lo < hi; j++) {
 		mid = (lo + hi) / 2;
 		if (mid >= FIRN_MAX_MAPPINGS)
 			return MAPPING_NONE;
-		/* All ones when the mapping starts at or below pc: both lie in user space
-		 * (below 2^56), so the difference's top bit is the comparison. */
-		below = ((pc - pm->m[mid].start) >> 63) - 1;
-		lo ^= (lo ^ (mid + 1)) & (__u32)below;
-		hi ^= (hi ^ mid) & ~(__u32)below;
+		/* Both lie in user space (below 2^56): the difference's top bit is the
+		 * comparison. */
+		NARROW(lo, hi, mid, ((pc - pm->m[mid].start) >> 63) - 1);
 	}
 	if (lo == 0)
 		return MAPPING_NONE;
@@ -147,8 +155,7 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
  * by the sampler: the last row at or below the page's start, the first at or past its
  * end), so a frame reads a few rows of one or two cache lines, not 15-20 scattered over
  * the table. It keeps the last row at or below the offset as it goes (no second lookup),
- * and moves its bounds by masks, not branches: which way each step goes depends on the
- * pc, and a predictor cold again 10 ms after the last sample gets half of them wrong. */
+ * and moves its bounds by masks (NARROW). */
 static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
 {
 	__u64 *r, found = 0, below, page;
@@ -178,8 +185,7 @@ static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, st
 		/* All ones when the row's pc (its low 32 bits) is at or below off. */
 		below = -(((*r & 0xffffffffULL) - off - 1) >> 63);
 		found ^= (found ^ *r) & below;
-		lo ^= (lo ^ (mid + 1)) & (__u32)below;
-		hi ^= (hi ^ mid) & ~(__u32)below;
+		NARROW(lo, hi, mid, below);
 	}
 	__builtin_memcpy(out, &found, sizeof(found));
 	/* No row at or below off leaves found 0, whose kind is FIRN_CFA_NONE. */
