@@ -120,6 +120,7 @@ counters! {
     processes_not_announced: "process records read between rounds that a subscriber gets with the round's batch instead: every file they map was sent to it before (and none is a Python interpreter it has a record for)",
     told_files_flushed: "a subscriber's set of the files it heard of was full and started over (its processes are announced again until it fills)",
     announcements_sent: "announcements (process records between rounds) delivered to subscribers",
+    records_sent_ahead: "process records sent in announcements of their own ahead of their batch or announcement, whose records were more than one message should hold",
     batches_dropped: "batches dropped from full subscriber queues",
     send_errors: "pushes that failed (subscriber gone)",
     broker_fds_sent: "file descriptors passed to subscribers",

@@ -38,8 +38,32 @@ pub(crate) fn fill_counters(
     }
 }
 
-/// The batch of `out` (its round, the records and forgotten ids for this subscriber, and
-/// code blobs carried from dropped batches).
+/// The record bytes (as `wire_bytes` counts them) one message carries, so that it fits
+/// the first segment of an outgoing message (`rpc::guard`, 128 KiB) with room for the
+/// call's own words.
+pub(crate) const MAX_MESSAGE_RECORD_BYTES: usize = 96 << 10;
+
+/// Takes from `records` every share of at most `max` bytes but the last, in order, each
+/// at least one record; the last share stays in `records` for its own message. Nothing
+/// is taken when all fit in one.
+pub(crate) fn records_ahead(records: &mut Vec<Issued>, max: usize) -> Vec<Vec<Issued>> {
+    let mut shares: Vec<Vec<Issued>> = Vec::new();
+    let mut used = 0;
+    for p in records.drain(..) {
+        let n = p.record.wire_bytes();
+        match shares.last_mut() {
+            Some(last) if used + n <= max => last.push(p),
+            _ => {
+                shares.push(vec![p]);
+                used = 0;
+            }
+        }
+        used += n;
+    }
+    *records = shares.pop().unwrap_or_default();
+    shares
+}
+
 /// An announcement: process records alone.
 pub(crate) fn fill_processes(b: batch_sink::announce_params::Builder<'_>, processes: &[Issued]) {
     let mut procs = b.init_processes(len32(processes.len()));
@@ -48,6 +72,8 @@ pub(crate) fn fill_processes(b: batch_sink::announce_params::Builder<'_>, proces
     }
 }
 
+/// The batch of `out` (its round, the records and forgotten ids for this subscriber, and
+/// code blobs carried from dropped batches).
 pub(crate) fn fill_batch(
     mut b: batch::Builder<'_>,
     round: &RoundData,
@@ -151,5 +177,66 @@ fn fill_process(mut w: process::Builder<'_>, p: &Issued) {
         mw.set_dev_minor(m.dev_minor);
         mw.set_inode(m.inode);
         mw.set_path(&m.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::rc::Rc;
+
+    use super::*;
+    use crate::procfs::{Mapping, ProcessRecord};
+
+    fn issued(id: u64) -> Issued {
+        let mapping = Mapping {
+            path: vec![b'p'; 100].into(),
+            ..Default::default()
+        };
+        Issued {
+            id,
+            version: 1,
+            record: Rc::new(ProcessRecord {
+                pid: id as u32,
+                mappings: vec![mapping; 3],
+                ..Default::default()
+            }),
+        }
+    }
+
+    fn ids(v: &[Issued]) -> Vec<u64> {
+        v.iter().map(|p| p.id).collect()
+    }
+
+    #[test]
+    fn records_that_fit_one_message_stay_in_it() {
+        let mut records: Vec<Issued> = (1..=3).map(issued).collect();
+        let each = records[0].record.wire_bytes();
+        assert!(records_ahead(&mut records, 3 * each).is_empty());
+        assert_eq!(ids(&records), [1, 2, 3]);
+        let mut none = Vec::new();
+        assert!(records_ahead(&mut none, 0).is_empty());
+    }
+
+    #[test]
+    fn more_records_go_ahead_in_order_in_shares_within_the_bound() {
+        let mut records: Vec<Issued> = (1..=7).map(issued).collect();
+        let each = records[0].record.wire_bytes();
+        let ahead = records_ahead(&mut records, 2 * each + each / 2);
+        let shares: Vec<Vec<u64>> = ahead.iter().map(|s| ids(s)).collect();
+        assert_eq!(shares, [vec![1, 2], vec![3, 4], vec![5, 6]]);
+        assert_eq!(
+            ids(&records),
+            [7],
+            "the last share stays for the message itself"
+        );
+    }
+
+    #[test]
+    fn a_record_larger_than_the_bound_still_goes_alone() {
+        let mut records: Vec<Issued> = (1..=3).map(issued).collect();
+        let ahead = records_ahead(&mut records, 1);
+        let shares: Vec<Vec<u64>> = ahead.iter().map(|s| ids(s)).collect();
+        assert_eq!(shares, [vec![1], vec![2]]);
+        assert_eq!(ids(&records), [3]);
     }
 }

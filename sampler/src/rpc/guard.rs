@@ -33,6 +33,14 @@ pub(crate) const MAX_QUESTIONS: usize = 256;
 const MESSAGE_RATE: f64 = 1_000.0;
 const MESSAGE_BURST: f64 = 10_000.0;
 
+/// The first segment of every outgoing message, in words: 128 KiB, the allocator's
+/// threshold for a block of its own (`trim.rs`), and every later segment is larger. A
+/// message's segments are then mapped when it is built and unmapped once it is written,
+/// instead of coming from the heap, whose freed pages stay resident after confinement
+/// (capnp-rpc asks for 1,024 words whatever the message). A fresh mapping is zero
+/// without being touched, so a small message still costs only the pages it fills.
+const MAPPED_SEGMENT_WORDS: u32 = (128 << 10) / 8;
+
 /// The per-connection message checks.
 pub(crate) struct MessageBudget {
     bootstraps: Cell<u32>,
@@ -219,7 +227,9 @@ impl Connection<Side> for GuardedConnection {
 
     fn new_outgoing_message(&mut self, first_segment_words: u32) -> Box<dyn OutgoingMessage> {
         Box::new(GuardedOutgoing {
-            inner: self.inner.new_outgoing_message(first_segment_words),
+            inner: self
+                .inner
+                .new_outgoing_message(first_segment_words.max(MAPPED_SEGMENT_WORDS)),
             budget: self.budget.clone(),
         })
     }

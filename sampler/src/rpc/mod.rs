@@ -22,7 +22,7 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
 use tokio_util::compat::{TokioAsyncReadCompatExt, TokioAsyncWriteCompatExt};
 
-use crate::counters::{bump, Counters};
+use crate::counters::{add, bump, Counters};
 use crate::hub::{Hub, Subscriber};
 use crate::wire::{self, BatchMeta};
 use firn_logs::TokenBucket;
@@ -123,7 +123,18 @@ impl Conn {
 
 pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: batch_sink::Client) {
     let c = &shared.counters;
-    while let Some(out) = sub.next().await {
+    while let Some(mut out) = sub.next().await {
+        // A storm's records would make one message of megabytes, resident while it is
+        // written: all but the last share go ahead, each in an announcement of its own.
+        for ahead in wire::records_ahead(&mut out.processes, wire::MAX_MESSAGE_RECORD_BYTES) {
+            let mut req = sink.announce_request();
+            wire::fill_processes(req.get(), &ahead);
+            add(&c.records_sent_ahead, ahead.len() as u64);
+            drop(ahead);
+            if !delivered(c, &sub, &c.announcements_sent, req.send().await) {
+                return;
+            }
+        }
         let (sent, res) = match &out.round {
             Some(round) => {
                 let counters = c.list();
@@ -147,14 +158,29 @@ pub(crate) async fn send_loop(shared: Rc<Shared>, sub: Rc<Subscriber>, sink: bat
                 (&c.announcements_sent, req.send().await)
             }
         };
-        match res {
-            Ok(()) => bump(sent),
-            Err(e) => {
-                bump(&c.send_errors);
-                tracing::info!(subscriber = sub.id, error = %e, "subscriber gone");
-                sub.close();
-                return;
-            }
+        if !delivered(c, &sub, sent, res) {
+            return;
+        }
+    }
+}
+
+/// Counts a message's delivery; a failed one closes the subscriber (`false`).
+fn delivered(
+    c: &Counters,
+    sub: &Subscriber,
+    sent: &std::cell::Cell<u64>,
+    res: Result<(), capnp::Error>,
+) -> bool {
+    match res {
+        Ok(()) => {
+            bump(sent);
+            true
+        }
+        Err(e) => {
+            bump(&c.send_errors);
+            tracing::info!(subscriber = sub.id, error = %e, "subscriber gone");
+            sub.close();
+            false
         }
     }
 }
