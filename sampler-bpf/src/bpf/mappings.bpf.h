@@ -75,8 +75,9 @@ static __always_inline __u32 remember_mapping(struct firn_unwind_state *st, __u3
  * A macro: a function taking the bounds by pointer cost the verifier 3× the instructions. */
 #define NARROW(lo, hi, mid, below)                                                       \
 	do {                                                                             \
-		(lo) ^= ((lo) ^ ((mid) + 1)) & (__u32)(below);                           \
-		(hi) ^= ((hi) ^ (mid)) & ~(__u32)(below);                                \
+		__u32 narrow_below_ = (__u32)(below); /* evaluated once */               \
+		(lo) ^= ((lo) ^ ((mid) + 1)) & narrow_below_;                            \
+		(hi) ^= ((hi) ^ (mid)) & ~narrow_below_;                                 \
 	} while (0)
 
 /* Finds the executable mapping holding `pc` and caches it with its table. */
