@@ -138,6 +138,7 @@ counters! {
     bpf_unwind_table_frames: "user frames the BPF unwinder walked with a table row",
     bpf_unwind_fp_frames: "user frames the BPF unwinder walked by frame pointers (no row for the pc)",
     bpf_unwind_stack_windows: "reads of the user stack by the BPF unwinder: each copies up to 512 bytes that serve the frames within them",
+    bpf_unwind_row_memo_hits: "user frames whose row the BPF unwinder took from its CPU's memo of rows found lately (no search of the table)",
     bpf_unwind_end_complete: "user stacks ended at an outermost frame (a row said so)",
     bpf_unwind_end_no_process: "user stacks cut after the leaf: the process's mappings were not in the map yet",
     bpf_unwind_end_no_mapping: "user stacks ended by frame pointers in anonymous executable code (JIT, vDSO)",

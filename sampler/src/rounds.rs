@@ -118,6 +118,7 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
         (K::FIRN_CTR_TABLE_FRAMES, &c.bpf_unwind_table_frames, None),
         (K::FIRN_CTR_FP_FRAMES, &c.bpf_unwind_fp_frames, None),
         (K::FIRN_CTR_STACK_WINDOWS, &c.bpf_unwind_stack_windows, None),
+        (K::FIRN_CTR_ROW_MEMO_HITS, &c.bpf_unwind_row_memo_hits, None),
         (K::FIRN_CTR_PY_FRAMES, &c.bpf_python_frames, None),
         (K::FIRN_CTR_PY_NO_THREAD, &c.bpf_python_no_thread, None),
         (

@@ -244,6 +244,12 @@ fn whole_stacks_without_frame_pointers() {
         .metric("firn_sampler_bpf_unwind_table_frames")
         .unwrap_or(0.0);
     assert!(rows > 0.0, "no frame was walked with a table row");
+    // Whole stacks as above with the CPUs' memos of rows found answering many of them.
+    let memo = f
+        .metric("firn_sampler_bpf_unwind_row_memo_hits")
+        .unwrap_or(0.0);
+    eprintln!("frames by rows {rows}, rows from the memo {memo}");
+    assert!(memo > 0.0, "no row came from the memo");
     assert!(
         f.metric("firn_enricher_unwind_tables_sent_total")
             .unwrap_or(0.0)

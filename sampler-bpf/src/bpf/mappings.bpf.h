@@ -151,20 +151,37 @@ static __always_inline __u32 find_mapping(struct firn_unwind_state *st, __u64 pc
 	return remember_mapping(st, MAPPING_FILE_TABLE);
 }
 
-/* The row for `pc`, which lies in the cached mapping, or why there is none. The search
- * starts from the rows of the offset's page (the directory after the table's rows, built
- * by the sampler: the last row at or below the page's start, the first at or past its
- * end), so a frame reads a few rows of one or two cache lines, not 15-20 scattered over
- * the table. It keeps the last row at or below the offset as it goes (no second lookup),
+/* The memo entry for offset `off` of the table whose run starts at `first`. */
+static __always_inline __u32 row_memo_slot(__u32 first, __u32 off)
+{
+	return ((off ^ first * 0x9e3779b1U) * 0x9e3779b1U) >> 26;
+}
+_Static_assert(FIRN_ROW_MEMO == 64, "row_memo_slot keeps 6 bits");
+
+/* The row for `pc`, which lies in the cached mapping, or why there is none. An offset
+ * this CPU looked up lately in the same table is answered from its memo of rows (what
+ * the search below gave then, under the same procepoch). Else the search starts from
+ * the rows of the offset's page (the directory after the table's rows, built by the
+ * sampler: the last row at or below the page's start, the first at or past its end), so
+ * a frame reads a few rows of one or two cache lines, not 15-20 scattered over the
+ * table. It keeps the last row at or below the offset as it goes (no second lookup),
  * and moves its bounds by masks (NARROW). */
 static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, struct firn_unwind_row *out)
 {
 	__u64 *r, found = 0, below, page;
-	__u32 lo, hi, mid, idx, first = st->c_first, j;
+	__u32 lo, hi, mid, idx, first = st->c_first, j, slot;
 	__u64 off = pc - st->c_start + st->c_offset;
+	struct firn_row_memo *e;
 
 	if (off > 0xffffffffULL || off < st->c_base || !st->c_pages)
 		return FIRN_END_NOT_IN_TABLE;
+	slot = row_memo_slot(first, (__u32)off) & (FIRN_ROW_MEMO - 1);
+	e = &st->row_memo[slot];
+	if (e->first == first && e->off == (__u32)off) {
+		st->row_memo_hits++;
+		found = e->row;
+		goto done;
+	}
 	page = (off - st->c_base) >> (st->c_shift & 63);
 	if (page >= st->c_pages)
 		page = st->c_pages - 1;
@@ -188,6 +205,13 @@ static __always_inline __u32 find_row(struct firn_unwind_state *st, __u64 pc, st
 		found ^= (found ^ *r) & below;
 		NARROW(lo, hi, mid, below);
 	}
+	/* Found again rather than kept across the search: a pointer live across its loop
+	 * multiplies the states the verifier walks it with. */
+	e = &st->row_memo[slot & (FIRN_ROW_MEMO - 1)];
+	e->first = first;
+	e->off = (__u32)off;
+	e->row = found;
+done:
 	__builtin_memcpy(out, &found, sizeof(found));
 	/* No row at or below off leaves found 0, whose kind is FIRN_CFA_NONE. */
 	if ((out->kinds & 0xf) == FIRN_CFA_NONE)

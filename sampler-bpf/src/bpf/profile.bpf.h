@@ -45,7 +45,8 @@ enum firn_counter {
 	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
 	FIRN_CTR_OFF_WEIGHT = 34,      /* switches the taken ones stand for (the sum of their N) */
 	FIRN_CTR_STACK_WINDOWS = 35,   /* windows of user stack read by the native walk */
-	FIRN_CTR_MAX = 36,
+	FIRN_CTR_ROW_MEMO_HITS = 36,   /* frames whose row came from the CPU's memo of rows */
+	FIRN_CTR_MAX = 37,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the

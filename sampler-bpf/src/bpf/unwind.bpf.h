@@ -34,6 +34,20 @@ _Static_assert((FIRN_STACK_WINDOW & (FIRN_STACK_WINDOW - 1)) == 0 && FIRN_STACK_
  * mostly spans the program, libc and the loader's start. */
 #define FIRN_MAPPING_MEMO 4
 
+/* Entries of the per-CPU memo of rows found (a power of two): a busy thread's stacks
+ * repeat a few dozen frames, the leaf's pcs and its callers' return addresses. */
+#define FIRN_ROW_MEMO 64
+/* No table's run starts here (the pool has fewer rows): an empty entry of the memo. */
+#define FIRN_ROW_MEMO_EMPTY 0xffffffffU
+
+/* What find_row answered for an offset in the table whose run starts at `first`: the
+ * row, or 0 (no row at or below the offset). */
+struct firn_row_memo {
+	__u32 first;
+	__u32 off;
+	__u64 row;
+};
+
 /* A mapping as find_mapping resolved it, with its table's run of rows. */
 struct firn_mapping_memo {
 	__u64 start;
@@ -133,6 +147,16 @@ struct firn_unwind_state {
 	__u32 memo_tgid;
 	__u32 memo_exec_id;
 	__u32 memo_next;
+	/* Rows this CPU found lately, for any process (a file's table is every process's),
+	 * while procepoch is row_memo_tag - 1: the sampler moves it after a table is
+	 * removed or replaced and before its run of rows can go to another file. A frame
+	 * found here skips the table's directory and rows (a few cache lines and pages of
+	 * `rows`, cold again 10 ms after the last sample). */
+	__u64 row_memo_tag;
+	struct firn_row_memo row_memo[FIRN_ROW_MEMO];
+	__u16 row_memo_hits;       /* frames this walk found in the memo, counted once */
+	__u16 row_memo_pad;
+	__u32 row_memo_pad2;
 	struct firn_py_proc py;
 	__u8 frame_buf[FIRN_PY_FRAME_BUF];
 	__u8 code_buf[FIRN_PY_CODE_BUF];
@@ -470,6 +494,13 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		st->memo_exec_id = st->exec_id;
 		st->memo_epoch = st->epochs >> 32;
 	}
+	/* Tagged with the epoch plus one: a zeroed state (no walk yet) never matches. */
+	if (st->row_memo_tag != (st->epochs >> 32) + 1) {
+		for (memo = 0; memo < FIRN_ROW_MEMO; memo++)
+			st->row_memo[memo].first = FIRN_ROW_MEMO_EMPTY;
+		st->row_memo_tag = (st->epochs >> 32) + 1;
+	}
+	st->row_memo_hits = 0;
 	st->len = 0;
 	st->cached = 0;
 	st->unmapped = 0;
@@ -512,6 +543,8 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		add(FIRN_CTR_FP_FRAMES, st->fp_frames);
 	if (st->win_reads)
 		add(FIRN_CTR_STACK_WINDOWS, st->win_reads);
+	if (st->row_memo_hits)
+		add(FIRN_CTR_ROW_MEMO_HITS, st->row_memo_hits);
 	if (steps >= FIRN_UNWIND_STEPS && !st->stopped && st->len < FIRN_MAX_STACK_DEPTH) {
 		/* Every step ran and none ended the walk. */
 		st->end = FIRN_END_DEPTH;
