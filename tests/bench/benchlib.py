@@ -21,6 +21,18 @@ def ratios(values, baseline):
     return [v / base for v in values]
 
 
+def paired_ratios(pairs):
+    """Per pair (a, b) measured back to back, a / b; pairs with a missing or zero b are
+    left out. On a VM whose per-sample cost drifts by 2x over minutes, the ratio within
+    a pair holds where the ratio of two medians taken minutes apart does not."""
+    out = []
+    for a, b in pairs:
+        if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+            continue
+        out.append(a / b)
+    return out
+
+
 def expected_samples(hz, seconds, cpus):
     return hz * seconds * cpus
 

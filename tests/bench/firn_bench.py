@@ -186,6 +186,41 @@ def matrix(freqs, profilers, kind, pairs, exe, seconds, rnd):
     return runs
 
 
+def target_pairs(freqs, pairs, nofp, fp, seconds, rnd):
+    """#31's BPF target measured as it is stated: firn on the no-frame-pointer workload
+    against bpftrace on the frame-pointer one, back to back, the one first alternating
+    by repetition, so each pair's ratio shares the machine's state of those minutes."""
+    out = []
+    for rep in range(pairs):
+        for hz in [f for f in freqs if f < 999]:
+            order = [("firn", nofp), ("bpftrace", fp)]
+            if rep % 2:
+                order.reverse()
+            got = {}
+            for name, exe in order:
+                log(f"target {rep + 1}/{pairs} {hz} Hz: {name} …")
+                prof = Firn(rnd) if name == "firn" else Bpftrace()
+                try:
+                    got[name] = one_run("unwind", prof, hz, exe, seconds).get("bpf_ns_per_run")
+                except Exception as e:  # reported, not fatal
+                    log(f"  {name} failed: {e}")
+            out.append({"hz": hz, "firn": got.get("firn"), "bpftrace": got.get("bpftrace")})
+    return out
+
+
+def target_table(pairs):
+    lines = ["| Hz | pairs | firn ns, no frame pointers | bpftrace ns, frame pointers | firn / bpftrace within each pair |",
+             "|---|---|---|---|---|"]
+    for hz in sorted({p["hz"] for p in pairs}):
+        ps = [p for p in pairs if p["hz"] == hz]
+        firn = [p["firn"] for p in ps if p["firn"] is not None]
+        bpft = [p["bpftrace"] for p in ps if p["bpftrace"] is not None]
+        ratio = bl.paired_ratios([(p["firn"], p["bpftrace"]) for p in ps])
+        lines.append(f"| {hz} | {len(ratio)} | {bl.fmt(bl.med(firn), '{:.0f}')} | "
+                     f"{bl.fmt(bl.med(bpft), '{:.0f}')} | {bl.fmt(bl.med(ratio), '{:.2f}')} |")
+    return "\n".join(lines)
+
+
 def summarize(runs, kind):
     rows = []
     keys = sorted({(r["hz"], r["profiler"]) for r in runs if "error" not in r},
@@ -368,6 +403,11 @@ def write_report(res, update):
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "
                 "unwinds it from tables, bpftrace walks frame pointers (and gets the leaf only).\n\n"
                 + table(res["unwind"], "overhead"))
+        if res.get("unwind_target"):
+            body += ("\n\n#31's target, ≤ 0.7: firn unwinding the no-frame-pointer workload against "
+                     "bpftrace walking the frame-pointer one, in pairs of runs back to back (which one "
+                     "first alternating), the ratio taken within each pair; BPF ns per run as above.\n\n"
+                     + target_table(res["unwind_target"]))
         if res.get("unwind_memory"):
             body += ("\n\nKernel memory of firn's maps at the end of its last 99 Hz run (every "
                      "process on the machine profiled):\n\n" + kernel_memory_table(res["unwind_memory"]))
@@ -540,6 +580,9 @@ def main():
             kmem = [r["kernel_memory"] for r in runs
                     if r["profiler"] == "firn" and r["hz"] == 99 and "kernel_memory" in r]
             res["unwind_memory"] = kmem[-1] if kmem else None
+            if "firn" in peers and "bpftrace" in peers:
+                res["unwind_target"] = target_pairs(freqs, args.pairs, nofp, out / COMM,
+                                                    args.seconds, args.round)
         if "python" in parts:
             res["python"] = python_bench.run(out, 99, args.round, args.seconds, args.pairs)
         if "offcpu" in parts:

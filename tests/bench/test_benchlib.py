@@ -115,6 +115,15 @@ class Parsers(unittest.TestCase):
         self.assertIn("<!-- t:start -->\nx\n<!-- t:end -->", b.replace_section(t, "t", "x"))
 
 
+class PairedRatios(unittest.TestCase):
+    def test_each_pair_is_its_own_ratio(self):
+        self.assertEqual(b.paired_ratios([(2.0, 4.0), (3.0, 3.0)]), [0.5, 1.0])
+
+    def test_missing_or_zero_baselines_are_left_out(self):
+        self.assertEqual(b.paired_ratios([(1.0, 0), (1.0, None), (math.nan, 2.0), (1.0, 2.0)]), [0.5])
+
+
 if __name__ == "__main__":
     unittest.main()
+
 

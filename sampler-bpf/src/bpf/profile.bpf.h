@@ -11,41 +11,43 @@
 #define FIRN_EFAULT 14  /* no stack of this kind for this sample */
 #define FIRN_EEXIST 17  /* stack map bucket holds another stack */
 
-/* Index of each per-CPU counter in the `counters` map. */
+/* Index of each per-CPU counter in the `counters` map. Those a native sample of a busy
+ * thread moves come first, so that they share two cache lines of the map's pointers and
+ * of its values: at 99 Hz every line a sample touches is cold again. */
 enum firn_counter {
 	FIRN_CTR_SAMPLES = 0,          /* program runs that reached the counting step */
-	FIRN_CTR_IDLE = 1,             /* samples of the idle task, skipped on purpose */
-	FIRN_CTR_USER_STACK_FULL = 2,  /* user stack not stored: stack map full or bucket taken */
-	FIRN_CTR_KERN_STACK_FULL = 3,  /* kernel stack not stored: stack map full */
-	FIRN_CTR_USER_STACK_ERR = 4,   /* user stack read failed with an unexpected error */
-	FIRN_CTR_KERN_STACK_ERR = 5,   /* kernel stack read failed with an unexpected error */
-	FIRN_CTR_COUNTS_FULL = 6,      /* sample lost: counts map full */
-	FIRN_CTR_EVENTS = 7,           /* process events written to the ring buffer */
-	FIRN_CTR_EVENTS_LOST = 8,      /* process events lost: ring buffer full (retried) */
-	FIRN_CTR_TABLE_FRAMES = 9,     /* user frames unwound with a table row */
-	FIRN_CTR_FP_FRAMES = 10,       /* user frames unwound by frame pointers (no row) */
+	FIRN_CTR_TABLE_FRAMES = 1,     /* user frames unwound with a table row */
+	FIRN_CTR_FP_FRAMES = 2,        /* user frames unwound by frame pointers (no row) */
+	FIRN_CTR_STACK_WINDOWS = 3,    /* windows of user stack read by the native walk */
+	FIRN_CTR_ROW_MEMO_HITS = 4,    /* frames whose row came from the CPU's memo of rows */
+	FIRN_CTR_IDLE = 5,             /* samples of the idle task, skipped on purpose */
+	FIRN_CTR_USER_STACK_FULL = 6,  /* user stack not stored: stack map full or bucket taken */
+	FIRN_CTR_COUNTS_FULL = 7,      /* sample lost: counts map full */
 	/* Why each user stack ended: FIRN_CTR_END_BASE + enum firn_unwind_end. */
-	FIRN_CTR_END_BASE = 11,
+	FIRN_CTR_END_BASE = 8,
 	/* The Python walk (python.bpf.h). */
-	FIRN_CTR_PY_FRAMES = 20,       /* Python frames emitted */
-	FIRN_CTR_PY_NO_THREAD = 21,    /* no thread state or no current frame for the thread */
-	FIRN_CTR_PY_READ_FAULT = 22,   /* a frame or code object could not be read */
-	FIRN_CTR_PY_NOT_CODE = 23,     /* a frame's code is not of the record's code type */
-	FIRN_CTR_PY_BAD_TYPES = 24,    /* a process's record names types that are not CPython's */
-	FIRN_CTR_PY_CODE_COPIED = 25,  /* code objects' names copied for the sampler */
-	FIRN_CTR_PY_CODE_FULL = 26,    /* not copied: pycode full until the next drain */
-	FIRN_CTR_LOOP_BUDGET = 27,     /* the walk's step budget ran out (Python steps use it) */
+	FIRN_CTR_PY_FRAMES = 17,       /* Python frames emitted */
+	FIRN_CTR_PY_NO_THREAD = 18,    /* no thread state or no current frame for the thread */
+	FIRN_CTR_PY_READ_FAULT = 19,   /* a frame or code object could not be read */
+	FIRN_CTR_PY_NOT_CODE = 20,     /* a frame's code is not of the record's code type */
+	FIRN_CTR_PY_BAD_TYPES = 21,    /* a process's record names types that are not CPython's */
+	FIRN_CTR_PY_CODE_COPIED = 22,  /* code objects' names copied for the sampler */
+	FIRN_CTR_PY_CODE_FULL = 23,    /* not copied: pycode full until the next drain */
+	FIRN_CTR_LOOP_BUDGET = 24,     /* the walk's step budget ran out (Python steps use it) */
+	FIRN_CTR_KERN_STACK_FULL = 25, /* kernel stack not stored: stack map full */
+	FIRN_CTR_USER_STACK_ERR = 26,  /* user stack read failed with an unexpected error */
+	FIRN_CTR_KERN_STACK_ERR = 27,  /* kernel stack read failed with an unexpected error */
+	FIRN_CTR_EVENTS = 28,          /* process events written to the ring buffer */
+	FIRN_CTR_EVENTS_LOST = 29,     /* process events lost: ring buffer full (retried) */
 	/* Off-CPU (with --off-cpu): each wait is timed from a task's switch-out to its
 	 * switch-in, where its stacks are taken. */
-	FIRN_CTR_OFF_WAITS = 28,       /* waits counted */
-	FIRN_CTR_OFF_SHORT = 29,       /* waits under --off-cpu-min-us, skipped */
-	FIRN_CTR_OFF_UNSAMPLED = 30,   /* voluntary switches not drawn (added 256 at a time per CPU) */
-	FIRN_CTR_OFF_NO_STORAGE = 31,  /* switch-outs not timed: task storage not allocated */
-	FIRN_CTR_OFF_NS = 32,          /* off-CPU nanoseconds counted (weighted) */
-	FIRN_CTR_OFF_CROSSED = 33,     /* waits counted without stacks: they crossed a round */
-	FIRN_CTR_OFF_WEIGHT = 34,      /* switches the taken ones stand for (the sum of their N) */
-	FIRN_CTR_STACK_WINDOWS = 35,   /* windows of user stack read by the native walk */
-	FIRN_CTR_ROW_MEMO_HITS = 36,   /* frames whose row came from the CPU's memo of rows */
+	FIRN_CTR_OFF_WAITS = 30,       /* waits counted */
+	FIRN_CTR_OFF_SHORT = 31,       /* waits under --off-cpu-min-us, skipped */
+	FIRN_CTR_OFF_UNSAMPLED = 32,   /* voluntary switches not drawn (added 256 at a time per CPU) */
+	FIRN_CTR_OFF_NO_STORAGE = 33,  /* switch-outs not timed: task storage not allocated */
+	FIRN_CTR_OFF_NS = 34,          /* off-CPU nanoseconds counted (weighted) */
+	FIRN_CTR_OFF_CROSSED = 35,     /* waits counted without stacks: they crossed a round */
+	FIRN_CTR_OFF_WEIGHT = 36,      /* switches the taken ones stand for (the sum of their N) */
 	FIRN_CTR_MAX = 37,
 };
 
