@@ -55,7 +55,8 @@ import offcpu_bench  # noqa: E402
 import python_bench  # noqa: E402
 from profilers import BCC_PROFILE, COMM, ROOT, Bcc, Bpftrace, Firn, Perf, _read  # noqa: E402
 from runs import (  # noqa: E402
-    log, one_run, rest_run, scale_churn, scale_many_processes, series, upload_run)
+    log, one_run, rest_run, scale_churn, scale_many_processes, series, target_pairs, target_table,
+    upload_run)
 
 WORK = ROOT / "target" / "bench"
 
@@ -184,41 +185,6 @@ def matrix(freqs, profilers, kind, pairs, exe, seconds, rnd):
                     log(f"  {name} failed: {e}")
                     runs.append({"profiler": name, "hz": hz, "kind": kind, "error": str(e)})
     return runs
-
-
-def target_pairs(freqs, pairs, nofp, fp, seconds, rnd):
-    """#31's BPF target measured as it is stated: firn on the no-frame-pointer workload
-    against bpftrace on the frame-pointer one, back to back, the one first alternating
-    by repetition, so each pair's ratio shares the machine's state of those minutes."""
-    out = []
-    for rep in range(pairs):
-        for hz in [f for f in freqs if f < 999]:
-            order = [("firn", nofp), ("bpftrace", fp)]
-            if rep % 2:
-                order.reverse()
-            got = {}
-            for name, exe in order:
-                log(f"target {rep + 1}/{pairs} {hz} Hz: {name} …")
-                prof = Firn(rnd) if name == "firn" else Bpftrace()
-                try:
-                    got[name] = one_run("unwind", prof, hz, exe, seconds).get("bpf_ns_per_run")
-                except Exception as e:  # reported, not fatal
-                    log(f"  {name} failed: {e}")
-            out.append({"hz": hz, "firn": got.get("firn"), "bpftrace": got.get("bpftrace")})
-    return out
-
-
-def target_table(pairs):
-    lines = ["| Hz | pairs | firn ns, no frame pointers | bpftrace ns, frame pointers | firn / bpftrace within each pair |",
-             "|---|---|---|---|---|"]
-    for hz in sorted({p["hz"] for p in pairs}):
-        ps = [p for p in pairs if p["hz"] == hz]
-        firn = [p["firn"] for p in ps if p["firn"] is not None]
-        bpft = [p["bpftrace"] for p in ps if p["bpftrace"] is not None]
-        ratio = bl.paired_ratios([(p["firn"], p["bpftrace"]) for p in ps])
-        lines.append(f"| {hz} | {len(ratio)} | {bl.fmt(bl.med(firn), '{:.0f}')} | "
-                     f"{bl.fmt(bl.med(bpft), '{:.0f}')} | {bl.fmt(bl.med(ratio), '{:.2f}')} |")
-    return "\n".join(lines)
 
 
 def summarize(runs, kind):
