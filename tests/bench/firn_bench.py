@@ -280,7 +280,7 @@ def upload_table(rows):
 def window_events(rs):
     """What happened during each run's window, a run per line (older suite.json rows lack it)."""
     keys = ("window_new_processes", "window_tables_built", "window_symbol_parses")
-    ms = ("window_build_ms", "window_symbolize_ms")
+    ms = ("window_build_ms", "window_symbolize_ms", "window_load_ms")
     return "<br>".join("/".join(f"{r[k]:.0f}" if k in r else "–" for k in keys) + "; "
                        + "/".join(f"{r[k]:.1f}" if k in r else "–" for k in ms) for r in rs)
 
@@ -301,7 +301,7 @@ def rest_table(rows):
            "and symbol parses inside the window, held to the idle targets. \"in the window\": new "
            "processes the sampler saw, tables the enricher built, and symbol parses (first loads, "
            "reparses, one-round parses) during the 60 s; then the enricher's ms in them building tables and "
-           "symbolizing (parses included).", "",
+           "symbolizing (parses included), and the sampler's ms loading tables.", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
            "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
            "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes/tables/parses; enricher ms building/symbolizing |",

@@ -213,6 +213,12 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
                                 - m0.get("firn_enricher_unwind_table_build_ns_total", 0)) / 1e6,
             "window_symbolize_ms": (m.get("firn_enricher_symbolize_ns_total", 0)
                                     - m0.get("firn_enricher_symbolize_ns_total", 0)) / 1e6,
+            # The sampler's share of the window's wave: its table loads (rows checked, copied,
+            # indexed), apart from the start-up wave that the totals above include.
+            "window_rows_loaded": m.get("firn_sampler_unwind_rows_loaded", 0)
+            - m0.get("firn_sampler_unwind_rows_loaded", 0),
+            "window_load_ms": (m.get("firn_sampler_unwind_table_load_ns", 0)
+                               - m0.get("firn_sampler_unwind_table_load_ns", 0)) / 1e6,
             "rss_points": points}
 
 
