@@ -304,7 +304,7 @@ def rest_table(rows):
            "symbolizing (parses included), and the sampler's ms loading tables.", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
            "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
-           "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes/tables/parses; enricher ms building/symbolizing |",
+           "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes/tables/parses; enricher ms building/symbolizing, sampler ms loading tables |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = ["idle", "new", "busy", "four"]
     keys = sorted({(r["state"], r["hz"]) for r in rows}, key=lambda k: (order.index(k[0]), k[1]))

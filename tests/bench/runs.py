@@ -97,7 +97,6 @@ NEW_PROGRAM = ("import sys, time, json, decimal, hashlib, sqlite3, ssl, lzma, bz
                "time.sleep(float(sys.argv[1]))\n")
 
 
-
 def target_pairs(freqs, pairs, nofp, fp, seconds, rnd):
     """#31's BPF target measured as it is stated: firn on the no-frame-pointer workload
     against bpftrace on the frame-pointer one, back to back, the one first alternating
@@ -214,9 +213,7 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
             "window_symbolize_ms": (m.get("firn_enricher_symbolize_ns_total", 0)
                                     - m0.get("firn_enricher_symbolize_ns_total", 0)) / 1e6,
             # The sampler's share of the window's wave: its table loads (rows checked, copied,
-            # indexed), apart from the start-up wave that the totals above include.
-            "window_rows_loaded": m.get("firn_sampler_unwind_rows_loaded", 0)
-            - m0.get("firn_sampler_unwind_rows_loaded", 0),
+            # indexed), apart from the start-up wave that "table_ns_per_row" includes.
             "window_load_ms": (m.get("firn_sampler_unwind_table_load_ns", 0)
                                - m0.get("firn_sampler_unwind_table_load_ns", 0)) / 1e6,
             "rss_points": points}

@@ -125,5 +125,3 @@ class PairedRatios(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
-
-
