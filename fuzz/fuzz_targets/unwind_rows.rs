@@ -1,11 +1,12 @@
 //! The sampler's checks of unwind table chunks from a subscriber: arbitrary bytes as a
 //! chunk never panic, and whatever passes is sorted and in range (what the BPF unwinder
-//! is given: whole-word offsets only), and its page directory finds the rows a search of
-//! the whole table finds. The row pool's allocator, driven by the same bytes, never hands out
-//! overlapping runs or more rows than it has.
+//! is given: whole-word offsets only), and its page directory, built in the check loop
+//! or after it, finds the rows a search of the whole table finds. The row pool's
+//! allocator, driven by the same bytes, never hands out overlapping runs or more rows
+//! than it has.
 #![no_main]
 
-use firn_sampler::{check_rows, pages, PageIndex, Pool, ROW_BYTES};
+use firn_sampler::{check_rows, check_rows_with, pages, PageIndex, Pool, ROW_BYTES};
 use firn_schema::unwind_row::Row;
 use libfuzzer_sys::fuzz_target;
 
@@ -47,6 +48,13 @@ fuzz_target!(|data: &[u8]| {
         pcs.iter().for_each(|&pc| ix.push(pc));
         let dir = ix.finish();
         assert!(dir.entries.len() as u32 <= pages::capacity(pcs.len() as u32));
+        // Built as the sampler does: in the check loop, pages sized up front from the
+        // span (any lower bound of it gives the same directory).
+        let mut ix = PageIndex::new(pcs.len() as u32);
+        let span = pcs[pcs.len() - 1] - pcs[0];
+        ix.expect_span(span >> (data[0] & 7));
+        assert_eq!(check_rows_with(rows, first, prev, |pc| ix.push(pc)), Ok(last));
+        assert_eq!(ix.finish(), dir, "built in one pass");
         let mut offs: Vec<u32> = vec![0, u32::MAX, u32::from_le_bytes([data[1], data[2], data[3], data[4]])];
         for &pc in &pcs {
             offs.extend([pc.wrapping_sub(1), pc, pc.wrapping_add(1), pc.wrapping_add(4096)]);

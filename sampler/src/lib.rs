@@ -41,4 +41,4 @@ pub use hub::Hub;
 pub use procfs::MAX_RECORD_BYTES;
 pub use rpc::{handle as handle_connection, Identity, Shared};
 pub use unwind::pages::{self, PageIndex};
-pub use unwind::{check_rows, Pool, Unwind, ROW_BYTES};
+pub use unwind::{check_rows, check_rows_with, Pool, Unwind, ROW_BYTES};

@@ -29,7 +29,7 @@ pub mod pages;
 pub(crate) mod python;
 mod rows;
 use rows::write_rows;
-pub use rows::{check_rows, Pool, TableError};
+pub use rows::{check_rows, check_rows_with, Pool, TableError};
 
 /// Bytes of one row on the wire and in the `rows` map.
 pub const ROW_BYTES: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;
@@ -255,20 +255,29 @@ impl Unwind {
                 spent: std::time::Duration::ZERO,
             });
         }
-        let (first, next, last_pc) = match self.pending.as_ref() {
-            Some(p) if p.file == file && p.total == total && p.next == first_row => {
-                (p.first, p.next, p.last_pc)
-            }
-            _ => return Err(TableError::OutOfOrder),
+        let Some(pending) = self.pending.as_mut() else {
+            return Err(TableError::OutOfOrder);
         };
+        if first_row == 0 {
+            // Strictly rising pcs span at least a row's worth each, and at least this
+            // chunk's span (unchecked here: should its rows fail, the table goes).
+            pending.pages.expect_span((total - 1).max(span_of(bytes)));
+        }
+        if pending.file != file || pending.total != total || pending.next != first_row {
+            return Err(TableError::OutOfOrder);
+        }
+        let (first, next, last_pc) = (pending.first, pending.next, pending.last_pc);
         let n = (bytes.len() / ROW_BYTES) as u32;
         let checked = if u64::from(first_row) + u64::from(n) > u64::from(total) {
             Err(TableError::OutOfOrder)
         } else {
-            check_rows(bytes, first_row, last_pc).and_then(|last| match &self.maps {
-                Some(m) => write_rows(&m.rows, first + first_row, bytes).map(|()| last),
-                None => Err(TableError::Map(-libc::ENODEV)),
-            })
+            let ix = &mut pending.pages;
+            check_rows_with(bytes, first_row, last_pc, |pc| ix.push(pc)).and_then(
+                |last| match &self.maps {
+                    Some(m) => write_rows(&m.rows, first + first_row, bytes).map(|()| last),
+                    None => Err(TableError::Map(-libc::ENODEV)),
+                },
+            )
         };
         let last = match checked {
             Ok(l) => l,
@@ -280,10 +289,6 @@ impl Unwind {
         let Some(mut p) = self.pending.take() else {
             return Err(TableError::OutOfOrder);
         };
-        for row in bytes.chunks_exact(ROW_BYTES) {
-            p.pages
-                .push(u32::from_le_bytes([row[0], row[1], row[2], row[3]]));
-        }
         p.next = next + n;
         p.last_pc = Some(last);
         if p.next < p.total {
@@ -559,4 +564,18 @@ impl Unwind {
             }
         }
     }
+}
+
+/// Its last row's pc less its first's, as read (0 for fewer than two whole rows).
+fn span_of(bytes: &[u8]) -> u32 {
+    let pc = |at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let n = bytes.len() / ROW_BYTES;
+    if n < 2 {
+        return 0;
+    }
+    pc((n - 1) * ROW_BYTES).saturating_sub(pc(0))
 }

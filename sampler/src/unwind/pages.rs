@@ -63,15 +63,41 @@ impl PageIndex {
         }
     }
 
+    /// Pages as large as a table spanning at least `span` bytes of text (last pc − first
+    /// pc) needs, set before the first row: the pages row-by-row building would merge
+    /// into these are never made. Only a lower bound of the true span gives the same
+    /// directory; a larger one gives larger pages (a slower search, never a wrong one).
+    pub fn expect_span(&mut self, span: u32) {
+        if self.rows == 0 {
+            self.shift = shift_for(span, self.cap);
+        }
+    }
+
     /// Takes the next row's pc. Rows come in order with strictly rising pcs
     /// (`check_rows` saw to it); should one not, the directory is one page holding the
     /// whole table, which the search then covers as it would without a directory.
+    #[inline]
     pub fn push(&mut self, pc: u32) {
+        // Most rows start in the last page: no call, no store but the count's.
+        if self.rows > 0 && !self.disordered && pc > self.last {
+            let p = u64::from(pc - self.base) >> self.shift;
+            if p < self.pages.len() as u64 {
+                self.rows += 1;
+                self.last = pc;
+                return;
+            }
+        }
+        self.push_page(pc);
+    }
+
+    #[inline(never)]
+    fn push_page(&mut self, pc: u32) {
         let i = self.rows;
         self.rows = i.saturating_add(1);
         if i == 0 {
             self.base = pc;
             self.last = pc;
+            self.pages.reserve_exact(self.cap as usize);
             self.pages.push((0, OPEN));
             return;
         }
@@ -93,22 +119,20 @@ impl PageIndex {
         }
         self.pages[cur].1 = i;
         // Pages no row starts in: the row before holds for all of them.
-        for _ in cur + 1..p {
-            self.pages.push((i - 1, i));
-        }
+        self.pages.resize(p, (i - 1, i));
         let at_start = rel & ((1u64 << self.shift) - 1) == 0;
         self.pages.push((if at_start { i } else { i - 1 }, OPEN));
     }
 
-    /// Pages twice as large: each pair of neighbours becomes one.
+    /// Pages twice as large: each pair of neighbours becomes one, in place.
     fn coarsen(&mut self) {
         self.shift += 1;
-        let merged: Vec<(u32, u32)> = self
-            .pages
-            .chunks(2)
-            .map(|pair| (pair[0].0, pair[pair.len() - 1].1))
-            .collect();
-        self.pages = merged;
+        let n = self.pages.len();
+        for k in 0..n.div_ceil(2) {
+            let hi = self.pages[(2 * k + 1).min(n - 1)].1;
+            self.pages[k] = (self.pages[2 * k].0, hi);
+        }
+        self.pages.truncate(n.div_ceil(2));
     }
 
     /// The directory of the rows taken.
@@ -131,6 +155,15 @@ impl PageIndex {
                 .collect(),
         }
     }
+}
+
+/// The smallest page shift that keeps pages over `span` bytes within `cap` entries.
+fn shift_for(span: u32, cap: u32) -> u8 {
+    let mut s = 0u8;
+    while s < 32 && u64::from(span) >> s >= u64::from(cap) {
+        s += 1;
+    }
+    s
 }
 
 /// The row the BPF program finds for file offset `off` (`None`: no row at or below it),
@@ -245,6 +278,37 @@ mod tests {
         assert!(dir.entries.len() as u32 <= capacity(20_000));
         assert!(dir.shift > 20, "{}", dir.shift);
         check(&t);
+    }
+
+    #[test]
+    fn pages_sized_up_front_make_the_same_directory() {
+        let tables = [
+            table(28_000, 1, 0, 0),
+            table(20_000, 3, 100, 16 << 20),
+            table(9, 2, 0, 0),
+            vec![5, u32::MAX],
+        ];
+        for t in &tables {
+            let plain = index(t);
+            let span = t[t.len() - 1] - t[0];
+            // Any lower bound of the span: the exact one, the rows' count, none.
+            for bound in [span, span / 3, t.len() as u32 - 1, 0] {
+                let mut ix = PageIndex::new(t.len() as u32);
+                ix.expect_span(bound);
+                t.iter().for_each(|&pc| ix.push(pc));
+                assert_eq!(ix.finish(), plain, "bound {bound}");
+            }
+            // Too large a guess: larger pages, still the whole table's rows.
+            let mut ix = PageIndex::new(t.len() as u32);
+            ix.expect_span(u32::MAX);
+            t.iter().for_each(|&pc| ix.push(pc));
+            let dir = ix.finish();
+            assert!(dir.shift >= plain.shift);
+            for &pc in t {
+                let whole = t.partition_point(|&p| p <= pc).checked_sub(1);
+                assert_eq!(find(t, &dir, pc).0, whole);
+            }
+        }
     }
 
     #[test]

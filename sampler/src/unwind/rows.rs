@@ -44,6 +44,19 @@ impl TableError {
 /// Checks the rows of one chunk, numbered from `first`; `prev_pc` is the last pc of
 /// the rows before it. Returns the last pc.
 pub fn check_rows(bytes: &[u8], first: u32, prev_pc: Option<u32>) -> Result<u32, TableError> {
+    check_rows_with(bytes, first, prev_pc, |_| {})
+}
+
+/// [`check_rows`], handing each row's pc to `on_row` once the row passed (the page
+/// directory is built in the same pass, while the row is in a register). A chunk that
+/// fails may have handed over the rows before the bad one.
+#[inline]
+pub fn check_rows_with(
+    bytes: &[u8],
+    first: u32,
+    prev_pc: Option<u32>,
+    mut on_row: impl FnMut(u32),
+) -> Result<u32, TableError> {
     if !bytes.len().is_multiple_of(ROW_BYTES) {
         return Err(TableError::Ragged);
     }
@@ -66,6 +79,7 @@ pub fn check_rows(bytes: &[u8], first: u32, prev_pc: Option<u32>) -> Result<u32,
         if !r.valid() {
             return Err(TableError::BadOffset(n));
         }
+        on_row(r.pc);
     }
     Ok(prev.unwrap_or(0))
 }
