@@ -61,11 +61,19 @@ struct firn_mapping_memo {
 	__u8 kind;                 /* enum firn_mapping_kind; 0: empty */
 };
 
-/* The walk of one stack, per CPU. Kept in a map value, not on the BPF stack: the
- * verifier then sees every field as unknown, and checks the bpf_loop callback once
- * instead of once per frame count. */
+/* A user stack this CPU stored or found lately, with the set and set_epoch it went to
+ * (tag = epoch << 1 | set): side by side, so a lookup reads one line. */
+struct firn_stored_memo {
+	__u64 hash;
+	__u64 tag;
+};
+
+/* The walk of one stack, per CPU. A map value, not the BPF stack: the verifier sees
+ * every field as unknown and checks the bpf_loop callback once, not per frame count.
+ * By use: at 99 Hz each line a sample touches is cold again, so what every native
+ * sample touches comes first, then the first frames, then the rest. */
 struct firn_unwind_state {
-	struct firn_user_stack stack;
+	/* -- every sample: the walk's registers and its process -- */
 	__u64 pc;
 	__u64 sp;
 	__u64 bp;
@@ -86,6 +94,10 @@ struct firn_unwind_state {
 				    * executable mapping of the record (code mapped after it
 				    * was read); 2: the record was cut to FIRN_MAX_MAPPINGS,
 				    * so a miss says nothing and asks for no read */
+	__u8 py_state;             /* enum firn_py_state */
+	__u8 py_walking;           /* the next steps are Python frames of one eval call */
+	__u8 py_skip_native;       /* what the next native step does with an eval frame
+				    * whose Python frames were walked (enum firn_py_after) */
 	__u64 c_start;
 	__u64 c_end;
 	__u64 c_offset;
@@ -94,33 +106,16 @@ struct firn_unwind_state {
 	__u32 c_base;              /* the table's page directory (struct firn_table) */
 	__u16 c_pages;
 	__u8 c_shift;
-	__u8 c_pad;
-	/* A copy of the stack from win_base up, win_len bytes (0: none), read in this walk
-	 * (read_stack). Never leaves BPF: the walk takes from it the words it would have
-	 * read one by one, and no others. */
+	__u8 stopped;              /* a step ended the walk (not the step budget) */
+	/* The stack window (below): its start and length (0: none). */
 	__u64 win_base;
 	__u32 win_len;
 	__u16 win_reads;           /* windows this walk read, counted once */
-	__u16 win_pad;
-	__u64 win[FIRN_STACK_WINDOW / 8];
-	/* The Python walk (python.bpf.h). */
-	__u32 tid;
-	__u8 py_state;             /* enum firn_py_state */
-	__u8 py_walking;           /* the next steps are Python frames of one eval call */
-	__u8 py_skip_native;       /* what the next native step does with an eval frame
-				    * whose Python frames were walked (enum firn_py_after) */
-	__u8 stopped;              /* a step ended the walk (not the step budget) */
-	__u32 py_call_frames;      /* Python frames of the eval call being walked */
-	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
-	__u64 py_hash;             /* seeded, of the process: code ids are per process */
-	__u32 py_frames;           /* Python frames this walk emitted (counted once) */
+	__u16 row_memo_hits;       /* frames this walk found in the memo, counted once */
 	/* Native frames this walk unwound by a row and by frame pointers, counted once. */
 	__u16 table_frames;
 	__u16 fp_frames;
-	/* Code ids this CPU copied or found in pyseen lately (a per-CPU value outlives the
-	 * walk), valid while seen_epoch is pyepoch's: most frames skip the pyseen lookup. */
-	__u64 seen_epoch;
-	__u64 seen_ids[FIRN_PY_SEEN_CACHE];
+	__u32 tid;
 	/* The process this CPU sampled last, if it was announced (in `seen` with the cgroup
 	 * below) and has no interpreter in `pyprocs`, under the epochs below: its next
 	 * sample here skips both lookups (key_of). */
@@ -134,29 +129,44 @@ struct firn_unwind_state {
 	__u64 epochs;
 	__u8 announced;
 	__u8 py_checked;
-	/* User stacks this CPU stored or found lately, with the set and set_epoch they
-	 * went to (tag = epoch << 1 | set): a repeat skips the stack map. */
-	__u64 stored_hash[FIRN_STORED_MEMO];
-	__u64 stored_tag[FIRN_STORED_MEMO];
-	/* Mappings this CPU resolved for the process below, under procepoch's value below
-	 * (the sampler moves it after every change of procmaps or tables): a frame in one
-	 * skips procmaps, the search of its mappings and tables, across samples. */
-	struct firn_mapping_memo mapping_memo[FIRN_MAPPING_MEMO];
+	__u16 pad0;
+	__u32 py_frames;           /* Python frames this walk emitted (counted once) */
+	/* Tags of the memos of mappings and rows (below). */
 	__u64 memo_start_ns;
 	__u64 memo_epoch;
 	__u32 memo_tgid;
 	__u32 memo_exec_id;
 	__u32 memo_next;
+	__u32 pad1;
+	__u64 row_memo_tag;
+	/* -- the stack, innermost first: a native stack's first frames follow -- */
+	struct firn_user_stack stack;
+	/* -- what some samples or frames touch -- */
+	/* User stacks this CPU stored or found lately: a repeat skips the stack map. */
+	struct firn_stored_memo stored[FIRN_STORED_MEMO];
+	/* Mappings this CPU resolved for the process above (memo_*), under procepoch's value
+	 * there (the sampler moves it after every change of procmaps or tables): a frame in
+	 * one skips procmaps, the search of its mappings and tables, across samples. */
+	struct firn_mapping_memo mapping_memo[FIRN_MAPPING_MEMO];
 	/* Rows this CPU found lately, for any process (a file's table is every process's),
 	 * while procepoch is row_memo_tag - 1: the sampler moves it after a table is
 	 * removed or replaced and before its run of rows can go to another file. A frame
 	 * found here skips the table's directory and rows (a few cache lines and pages of
 	 * `rows`, cold again 10 ms after the last sample). */
-	__u64 row_memo_tag;
 	struct firn_row_memo row_memo[FIRN_ROW_MEMO];
-	__u16 row_memo_hits;       /* frames this walk found in the memo, counted once */
-	__u16 row_memo_pad;
-	__u32 row_memo_pad2;
+	/* A copy of the stack from win_base up, win_len bytes, read in this walk
+	 * (read_stack). Never leaves BPF: the walk takes from it the words it would have
+	 * read one by one, and no others. */
+	__u64 win[FIRN_STACK_WINDOW / 8];
+	/* The Python walk (python.bpf.h). */
+	__u32 py_call_frames;      /* Python frames of the eval call being walked */
+	__u32 pad2;
+	__u64 py_frame;            /* the next Python frame to emit (0: none left) */
+	__u64 py_hash;             /* seeded, of the process: code ids are per process */
+	/* Code ids this CPU copied or found in pyseen lately (a per-CPU value outlives the
+	 * walk), valid while seen_epoch is pyepoch's: most frames skip the pyseen lookup. */
+	__u64 seen_epoch;
+	__u64 seen_ids[FIRN_PY_SEEN_CACHE];
 	struct firn_py_proc py;
 	__u8 frame_buf[FIRN_PY_FRAME_BUF];
 	__u8 code_buf[FIRN_PY_CODE_BUF];
@@ -568,7 +578,7 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 	 * only samples that straddle the same flip, which end before the drain. */
 	tag = (__u64)set_epoch << 1 | (set & 1);
 	memo = key->user_stack & (FIRN_STORED_MEMO - 1);
-	if (st->stored_hash[memo] == key->user_stack && st->stored_tag[memo] == tag)
+	if (st->stored[memo].hash == key->user_stack && st->stored[memo].tag == tag)
 		return st->unmapped == 1;
 	/* Chosen after the walk: a map pointer live across bpf_loop splits the verifier's
 	 * states by set, and it walks the unwinder once for each. */
@@ -582,8 +592,8 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		key->user_status = -FIRN_ENOMEM;
 		return st->unmapped == 1;
 	}
-	st->stored_hash[memo] = key->user_stack;
-	st->stored_tag[memo] = tag;
+	st->stored[memo].hash = key->user_stack;
+	st->stored[memo].tag = tag;
 	return st->unmapped == 1;
 }
 
