@@ -258,13 +258,13 @@ impl Unwind {
         let Some(pending) = self.pending.as_mut() else {
             return Err(TableError::OutOfOrder);
         };
+        if pending.file != file || pending.total != total || pending.next != first_row {
+            return Err(TableError::OutOfOrder);
+        }
         if first_row == 0 {
             // Strictly rising pcs span at least a row's worth each, and at least this
             // chunk's span (unchecked here: should its rows fail, the table goes).
             pending.pages.expect_span((total - 1).max(span_of(bytes)));
-        }
-        if pending.file != file || pending.total != total || pending.next != first_row {
-            return Err(TableError::OutOfOrder);
         }
         let (first, next, last_pc) = (pending.first, pending.next, pending.last_pc);
         let n = (bytes.len() / ROW_BYTES) as u32;
