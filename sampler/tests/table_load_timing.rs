@@ -54,15 +54,11 @@ fn two_passes(table: &[u8]) -> Directory {
 /// The load path now: the directory built in the check loop, its pages sized up front.
 fn one_pass(table: &[u8]) -> Directory {
     let total = (table.len() / ROW_BYTES) as u32;
-    let mut ix = PageIndex::new(total);
+    let first_chunk = &table[..table.len().min(CHUNK_ROWS * ROW_BYTES)];
+    let mut ix = PageIndex::for_first_chunk(total, first_chunk);
     let mut prev = None;
     for (c, chunk) in table.chunks(CHUNK_ROWS * ROW_BYTES).enumerate() {
         let first = (c * CHUNK_ROWS) as u32;
-        if first == 0 {
-            let pc = |at: usize| u32::from_le_bytes(chunk[at..at + 4].try_into().expect("4"));
-            let span = pc(chunk.len() - ROW_BYTES) - pc(0);
-            ix.expect_span((total - 1).max(span));
-        }
         let r = check_rows_with(chunk, first, prev, |pc| ix.push(pc));
         prev = Some(r.expect("cached rows pass"));
     }

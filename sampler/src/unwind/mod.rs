@@ -251,7 +251,7 @@ impl Unwind {
                 next: 0,
                 last_pc: None,
                 run,
-                pages: pages::PageIndex::new(total),
+                pages: pages::PageIndex::for_first_chunk(total, bytes),
                 spent: std::time::Duration::ZERO,
             });
         }
@@ -260,11 +260,6 @@ impl Unwind {
         };
         if pending.file != file || pending.total != total || pending.next != first_row {
             return Err(TableError::OutOfOrder);
-        }
-        if first_row == 0 {
-            // Strictly rising pcs span at least a row's worth each, and at least this
-            // chunk's span (unchecked here: should its rows fail, the table goes).
-            pending.pages.expect_span((total - 1).max(span_of(bytes)));
         }
         let (first, next, last_pc) = (pending.first, pending.next, pending.last_pc);
         let n = (bytes.len() / ROW_BYTES) as u32;
@@ -564,18 +559,4 @@ impl Unwind {
             }
         }
     }
-}
-
-/// Its last row's pc less its first's, as read (0 for fewer than two whole rows).
-fn span_of(bytes: &[u8]) -> u32 {
-    let pc = |at: usize| {
-        bytes
-            .get(at..at + 4)
-            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    let n = bytes.len() / ROW_BYTES;
-    if n < 2 {
-        return 0;
-    }
-    pc((n - 1) * ROW_BYTES).saturating_sub(pc(0))
 }

@@ -7,6 +7,8 @@
 //! row a search of the whole table finds, whatever the rows are (a test and a fuzz
 //! target compare the two), so the enricher can make a directory slow, never wrong.
 
+use super::ROW_BYTES;
+
 /// Directory entries of one table at most (64 KiB in the pool): a large table gets
 /// larger pages rather than a larger directory.
 pub const MAX_PAGES: u32 = 8192;
@@ -20,6 +22,19 @@ const OPEN: u32 = u32::MAX;
 /// beside its rows until the table is complete.
 pub fn capacity(total: u32) -> u32 {
     (total / ROWS_PER_PAGE).clamp(1, MAX_PAGES)
+}
+
+/// The text rows' pcs span (last pc − first pc), 0 under two rows; no row is checked.
+fn span_of(rows: &[u8]) -> u32 {
+    let pc = |at: usize| {
+        rows.get(at..at + 4)
+            .map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let n = rows.len() / ROW_BYTES;
+    if n < 2 {
+        return 0;
+    }
+    pc((n - 1) * ROW_BYTES).saturating_sub(pc(0))
 }
 
 /// A table's directory as the BPF program reads it.
@@ -61,6 +76,16 @@ impl PageIndex {
             last: 0,
             disordered: false,
         }
+    }
+
+    /// For a table of `total` rows whose first chunk (rows as the pool holds them, pc
+    /// first) is `first_chunk`, its pages sized before the first row: strictly rising pcs
+    /// span at least a byte a row, and at least the first chunk's own span. That span is
+    /// read before the chunk's check; should its rows fail, the table (and this) goes.
+    pub fn for_first_chunk(total: u32, first_chunk: &[u8]) -> Self {
+        let mut ix = Self::new(total);
+        ix.expect_span(total.saturating_sub(1).max(span_of(first_chunk)));
+        ix
     }
 
     /// Pages as large as a table spanning at least `span` bytes of text (last pc − first
@@ -298,6 +323,20 @@ mod tests {
                 t.iter().for_each(|&pc| ix.push(pc));
                 assert_eq!(ix.finish(), plain, "bound {bound}");
             }
+            // From a first chunk's rows, whatever its length: the same directory.
+            let rows: Vec<u8> = t
+                .iter()
+                .flat_map(|pc| {
+                    let mut r = [0u8; ROW_BYTES];
+                    r[..4].copy_from_slice(&pc.to_le_bytes());
+                    r
+                })
+                .collect();
+            for k in [0, 1, 2, t.len() / 2, t.len()] {
+                let mut ix = PageIndex::for_first_chunk(t.len() as u32, &rows[..k * ROW_BYTES]);
+                t.iter().for_each(|&pc| ix.push(pc));
+                assert_eq!(ix.finish(), plain, "first chunk of {k} rows");
+            }
             // Too large a guess: larger pages, still the whole table's rows.
             let mut ix = PageIndex::new(t.len() as u32);
             ix.expect_span(u32::MAX);
@@ -309,6 +348,16 @@ mod tests {
                 assert_eq!(find(t, &dir, pc).0, whole);
             }
         }
+    }
+
+    #[test]
+    fn a_first_chunk_out_of_order_or_cut_sizes_without_panic() {
+        let mut rows = vec![0u8; 3 * ROW_BYTES + 5];
+        rows[..4].copy_from_slice(&900u32.to_le_bytes());
+        rows[2 * ROW_BYTES..2 * ROW_BYTES + 4].copy_from_slice(&100u32.to_le_bytes());
+        assert_eq!(span_of(&rows), 0);
+        assert_eq!(span_of(&rows[..ROW_BYTES + 3]), 0);
+        let _ = PageIndex::for_first_chunk(0, &rows);
     }
 
     #[test]
