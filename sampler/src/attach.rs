@@ -244,11 +244,39 @@ pub(crate) fn round_entries(
     want.checked_next_power_of_two().unwrap_or(max).min(max)
 }
 
+/// Bytes an event takes in the ring: `firn_event` and the ring's 8-byte header.
+const EVENT_RING_BYTES: u64 = 104;
+
+/// The event ring's size in KiB when `--events-buffer-kib` is not given: room for half a
+/// second of the most events the program can make (a NEW and an EXIT or EXEC for each
+/// sampled process, at most one new process a sample) while the sampler is busy with a
+/// round: it reads the ring at each NEW's wakeup. A power of two within 64–256 KiB (256
+/// was the fixed size: a large node is never given more); off-CPU samples with no bound
+/// on their rate (`off_cpu_rate` 0) get the most. The ring is mapped twice into the
+/// sampler, so each KiB saved is two of its RSS (and one of kernel memory).
+pub(crate) fn events_kib_for(frequency: u32, off_cpu_rate: Option<u32>, cpus: usize) -> u32 {
+    const MIN_KIB: u64 = 64;
+    const MAX_KIB: u64 = 256;
+    let per_cpu = match off_cpu_rate {
+        Some(0) => return MAX_KIB as u32,
+        Some(r) => u64::from(frequency) + u64::from(r),
+        None => u64::from(frequency),
+    };
+    let bytes = per_cpu
+        .saturating_mul(cpus as u64)
+        .saturating_mul(2 * EVENT_RING_BYTES)
+        / 2;
+    let kib = bytes.div_ceil(1024).clamp(MIN_KIB, MAX_KIB);
+    kib.checked_next_power_of_two()
+        .unwrap_or(MAX_KIB)
+        .min(MAX_KIB) as u32
+}
+
 /// Loads the program with a process event ring buffer of `events_kib` KiB (a power of
-/// two, at least one page) and attaches it to every online CPU and to exec and exit;
+/// two, at least one page; `None`: [`events_kib_for`] the node) and attaches it to every online CPU and to exec and exit;
 /// the per-round maps sized for `frequency` and rounds of `round_seconds`.
 pub(crate) fn load_and_attach(
-    (frequency, round_seconds, events_kib): (u32, u32, u32),
+    (frequency, round_seconds, events_kib): (u32, u32, Option<u32>),
     limits: Limits,
     off_cpu: Option<OffCpu>,
     counters: Rc<Counters>,
@@ -260,6 +288,10 @@ pub(crate) fn load_and_attach(
     let mut open = ProfileSkelBuilder::default()
         .open(storage)
         .map_err(AttachError::Load)?;
+    // CPUs that may come online later are not sampled (the sampler exits then).
+    let ncpus = online_cpus().map_err(AttachError::CpuList)?.len().max(1);
+    let events_kib =
+        events_kib.unwrap_or_else(|| events_kib_for(frequency, off_cpu.map(|o| o.rate), ncpus));
     open.maps
         .events
         .set_max_entries(events_kib.saturating_mul(1024))
@@ -284,8 +316,6 @@ pub(crate) fn load_and_attach(
             ro.off_cpu_self_tgid = std::process::id();
         }
     }
-    // CPUs that may come online later are not sampled (the sampler exits then).
-    let ncpus = online_cpus().map_err(AttachError::CpuList)?.len().max(1);
     let off_rate = off_cpu.map_or(0, |o| o.rate);
     let counts = round_entries(frequency, ncpus, round_seconds, (1024, 65_536));
     for m in [&mut open.maps.counts_0, &mut open.maps.counts_1] {
@@ -303,7 +333,11 @@ pub(crate) fn load_and_attach(
             m.set_max_entries(off).map_err(AttachError::Load)?;
         }
     }
-    tracing::debug!(counts, "per-round maps sized");
+    tracing::debug!(
+        counts,
+        events_kib,
+        "per-round maps and the event ring sized"
+    );
     let skel = open.load().map_err(AttachError::Load)?;
     // Duplicated now: the server writes these maps after confinement, apart from the
     // skeleton the round loop holds.
@@ -517,5 +551,21 @@ mod tests {
         assert_eq!(r(999, 64, 600, (1024, 65_536)), 65_536);
         assert_eq!(r(u32::MAX, usize::MAX, u32::MAX, (2048, 16_384)), 16_384);
         assert_eq!(r(0, 0, 0, (2048, 16_384)), 2048);
+    }
+
+    #[test]
+    fn the_event_ring_follows_the_sampling_rate() {
+        use super::events_kib_for as e;
+        // 2 CPUs at 99 Hz make at most ~400 events a second: the floor, 630 events.
+        assert_eq!(e(99, None, 2), 64);
+        assert_eq!(e(19, None, 1), 64);
+        // 2 × 2 × (99 + 250) × 104 B / 2 = 71 KiB.
+        assert_eq!(e(99, Some(250), 2), 128);
+        assert_eq!(e(999, None, 2), 256);
+        // Never more than the fixed size it replaces; no bound on the rate: the most.
+        assert_eq!(e(99, None, 64), 256);
+        assert_eq!(e(19, Some(0), 1), 256);
+        assert_eq!(e(u32::MAX, Some(u32::MAX), usize::MAX), 256);
+        assert_eq!(e(0, None, 0), 64);
     }
 }

@@ -60,11 +60,13 @@ pub(crate) struct Args {
 
     /// Size of the ring buffer of process events, in KiB (a power of two, 4–65536). The
     /// BPF program announces each process's first sample (and the exec and exit of
-    /// announced ones) there, 64 bytes each, so that the sampler reads /proc while the
+    /// announced ones) there, 104 bytes each, so that the sampler reads /proc while the
     /// process still runs. When it is full, events are lost (counted as
     /// bpf_events_lost) and the process is announced by its next sample instead.
-    #[arg(long, default_value_t = 256, value_parser = events_kib)]
-    pub(crate) events_buffer_kib: u32,
+    /// Default: sized by the node, 64–256 KiB: half a second of the most events the
+    /// sampling rate (--frequency, --off-cpu-rate) can make on the online CPUs.
+    #[arg(long, value_parser = events_kib)]
+    pub(crate) events_buffer_kib: Option<u32>,
 
     /// Handles of recently mapped files kept so that binaries of exited processes can
     /// still be brokered (0–65536; each is one file descriptor; fewer if RLIMIT_NOFILE's
