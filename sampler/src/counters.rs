@@ -154,6 +154,7 @@ counters! {
     unwind_rows_in_use: "unwind rows and page-directory entries held in the row pool now (a gauge; see --unwind-rows)",
     heap_used_bytes: "bytes the sampler's allocator has handed out now (a gauge, at each round's end)",
     heap_free_bytes: "bytes the sampler's heap holds free now, in holes or not yet trimmed (a gauge, at each round's end)",
+    heap_blocks_reused: "large allocations (an unwind table chunk's message) served by the pages of one freed before instead of new ones (alloc.rs; at each round's end)",
     processes_known: "processes the sampler holds records of now, ended ones kept for their subscribers included (a gauge, at each round's end)",
     unwind_tables_evicted: "unwind tables removed to make room (their files mapped by no known process)",
     unwind_tables_refused_malformed: "unwind table chunks refused as malformed (connection closed)",

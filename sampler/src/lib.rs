@@ -1,6 +1,7 @@
 //! firn-sampler as a library: [`main`] runs it (`src/main.rs` is only its entry); the
 //! fuzz targets and tests drive the connection handling and read the tables below.
 
+mod alloc;
 mod assemble;
 mod attach;
 mod broker;
@@ -34,6 +35,7 @@ mod wire;
 pub use lifecycle::main;
 
 // What the fuzz targets and tests drive.
+pub use alloc::Allocator;
 pub use counters::Counters;
 pub use drop::{ALLOWED, RARE, SETUP};
 pub use handles::Handles;

@@ -280,6 +280,9 @@ impl Rounds {
         // Records read while assembling go in this round's batch.
         let _ = self.sync_mappings(maps, c);
         self.table.begin_round(self.round, c);
+        // A chunk buffer kept through a table wave goes back: none stays between rounds.
+        crate::alloc::release();
+        c.heap_blocks_reused.set(crate::alloc::reused());
         let (used, free) = crate::trim::heap_bytes();
         c.heap_used_bytes.set(used);
         c.heap_free_bytes.set(free);
