@@ -6,12 +6,13 @@
 //! own, whose 64 pages the kernel allocates and zeroes one fault at a time as the socket's
 //! bytes land, then unmaps. On this project's VMs that is ~150 µs a chunk, ~4.6 ns a row,
 //! more than the rows' checks. Kept, the next chunk's buffer is the same resident pages,
-//! zeroed by `memset` (~7 µs). The block goes back at the round's end ([`release`]) and
-//! whenever a large allocation cannot use it, so the steady state keeps nothing and a
-//! peak holds at most one such block more than before.
+//! zeroed by `memset` (~7 µs). Blocks are kept only once a table chunk came in this round
+//! ([`keep_freed`]); the block goes back at the start of the round's end ([`release`],
+//! before its drain and batch) and whenever a large allocation cannot use it, so a round
+//! without tables keeps nothing (the batch's own large segments are unmapped as before).
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 
 /// Blocks kept: larger than the mapped first segment of every outgoing message
 /// (`rpc/guard.rs`, 128 KiB: one a reply, mostly untouched, would take the place), up to
@@ -23,6 +24,8 @@ const ALIGN: usize = 16;
 
 /// The block kept, its size in its first word; null: none.
 static KEPT: AtomicPtr<u8> = AtomicPtr::new(std::ptr::null_mut());
+/// Whether freed blocks are kept: from a table chunk's arrival to the round's end.
+static KEEPING: AtomicBool = AtomicBool::new(false);
 static REUSED: AtomicU64 = AtomicU64::new(0);
 
 /// The allocator (`main.rs` installs it; the library's tests run on the system's).
@@ -84,7 +87,7 @@ unsafe impl GlobalAlloc for Allocator {
     }
 
     unsafe fn dealloc(&self, p: *mut u8, layout: Layout) {
-        if !keepable(layout) {
+        if !keepable(layout) || !KEEPING.load(Ordering::Relaxed) {
             // SAFETY: p was allocated by this allocator with this layout.
             return unsafe { System.dealloc(p, layout) };
         }
@@ -110,8 +113,16 @@ unsafe impl GlobalAlloc for Allocator {
     }
 }
 
-/// Gives the kept block back (at each round's end: nothing stays between table waves).
+/// Freed blocks of a chunk's size are kept from now until [`release`]: a table chunk
+/// came in, and the next one's buffer is likely the same size.
+pub(crate) fn keep_freed() {
+    KEEPING.store(true, Ordering::Relaxed);
+}
+
+/// Gives the kept block back and keeps no more until [`keep_freed`] (at each round's
+/// end: nothing stays between table waves).
 pub(crate) fn release() {
+    KEEPING.store(false, Ordering::Relaxed);
     let p = KEPT.swap(std::ptr::null_mut(), Ordering::AcqRel);
     if !p.is_null() {
         // SAFETY: the kept block, a system block no one else holds.
@@ -135,6 +146,11 @@ mod tests {
         let before = reused();
         // SAFETY: layouts with a non-zero size; each block is freed once.
         unsafe {
+            // Not keeping yet (no table chunk came in): freed blocks go back at once.
+            let p = a.alloc_zeroed(Layout::from_size_align(262_160, 8).expect("layout"));
+            a.dealloc(p, Layout::from_size_align(262_160, 8).expect("layout"));
+            assert!(KEPT.load(Ordering::Acquire).is_null());
+            keep_freed();
             let p = a.alloc_zeroed(chunk);
             assert!(!p.is_null());
             p.write_bytes(0xa5, chunk.size());
@@ -162,6 +178,7 @@ mod tests {
             a.dealloc(t, larger);
             release();
             assert!(KEPT.load(Ordering::Acquire).is_null());
+            keep_freed();
             // Reply segments and small blocks pass through.
             let reply = Layout::from_size_align(128 << 10, 8).expect("layout");
             let s = a.alloc_zeroed(reply);
@@ -169,6 +186,7 @@ mod tests {
             assert!(KEPT.load(Ordering::Acquire).is_null());
             let big = Layout::from_size_align(1 << 20, 4096).expect("layout");
             assert!(!keepable(big));
+            release();
         }
     }
 }

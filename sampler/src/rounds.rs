@@ -247,6 +247,10 @@ impl Rounds {
         kallsyms: &Kallsyms,
         c: &Counters,
     ) -> Result<Option<Round>, CpuHotplug> {
+        // A chunk buffer kept through a table wave goes back before the round's own
+        // transient memory (drain, assembly, batch): none stays between rounds or adds
+        // to a round's peak.
+        crate::alloc::release();
         self.round += 1;
         let span = (self.start_ns, retired.end_ns);
         self.start_ns = retired.end_ns;
@@ -280,8 +284,6 @@ impl Rounds {
         // Records read while assembling go in this round's batch.
         let _ = self.sync_mappings(maps, c);
         self.table.begin_round(self.round, c);
-        // A chunk buffer kept through a table wave goes back: none stays between rounds.
-        crate::alloc::release();
         c.heap_blocks_reused.set(crate::alloc::reused());
         let (used, free) = crate::trim::heap_bytes();
         c.heap_used_bytes.set(used);

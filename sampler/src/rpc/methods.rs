@@ -256,6 +256,8 @@ impl SubscriptionImpl {
             bump(&c.unwind_tables_refused_other);
             return Chunk::Refused(TableRefusal::RateLimited);
         }
+        // More chunks are likely: this one's buffer may serve the next.
+        crate::alloc::keep_freed();
         let Some(record) = self
             .sub
             .record(p.get_process_id(), p.get_mappings_version())
