@@ -245,7 +245,7 @@ pub(crate) fn round_entries(
 }
 
 /// Bytes an event takes in the ring: `firn_event` and the ring's 8-byte header.
-const EVENT_RING_BYTES: u64 = 104;
+const EVENT_RING_BYTES: u64 = crate::events::EVENT_SIZE as u64 + 8;
 
 /// The event ring's size in KiB when `--events-buffer-kib` is not given: room for half a
 /// second of the most events the program can make (a NEW and an EXIT or EXEC for each
@@ -262,10 +262,10 @@ pub(crate) fn events_kib_for(frequency: u32, off_cpu_rate: Option<u32>, cpus: us
         Some(r) => u64::from(frequency) + u64::from(r),
         None => u64::from(frequency),
     };
+    // Two events a sample for half a second: one sample's worth of events a second.
     let bytes = per_cpu
         .saturating_mul(cpus as u64)
-        .saturating_mul(2 * EVENT_RING_BYTES)
-        / 2;
+        .saturating_mul(EVENT_RING_BYTES);
     let kib = bytes.div_ceil(1024).clamp(MIN_KIB, MAX_KIB);
     kib.checked_next_power_of_two()
         .unwrap_or(MAX_KIB)

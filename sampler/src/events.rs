@@ -36,7 +36,7 @@ pub(crate) struct ProcEvent {
     pub(crate) cgroup_id: u64,
 }
 
-const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
+pub(crate) const EVENT_SIZE: usize = std::mem::size_of::<firn_event>();
 /// `FIRN_EVF_KTHREAD` (profile.bpf.h): a kernel thread.
 const FIRN_EVF_KTHREAD: u32 = 1;
 
