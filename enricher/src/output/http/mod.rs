@@ -10,7 +10,7 @@
 //! Every request passes [`access`] first (the Host it names, where a browser's request
 //! comes from, the bearer token), and [`serve`] bounds connections and their time.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -111,10 +111,14 @@ impl Shared {
     pub(crate) fn publish(&self, round: Arc<Round>, latest: Vec<Latest>) {
         let Ok(mut g) = self.inner.lock() else { return };
         let now = round.round;
-        g.latest.retain(|l| {
-            now.saturating_sub(l.round) < LATEST_ROUNDS
-                && !latest.iter().any(|n| n.labels == l.labels)
-        });
+        {
+            // A set, not a scan of `latest` per entry: a node with many label sets
+            // (a process label each) made that quadratic every round.
+            let fresh: HashSet<&LabelSet> = latest.iter().map(|n| &*n.labels).collect();
+            g.latest.retain(|l| {
+                now.saturating_sub(l.round) < LATEST_ROUNDS && !fresh.contains(&*l.labels)
+            });
+        }
         g.latest.extend(latest);
         g.latest.sort_by_key(|l| std::cmp::Reverse(l.samples));
         g.last_batch = Some(SystemTime::now());
@@ -298,6 +302,37 @@ mod tests {
             + 2 * std::mem::size_of::<usize>()
             + 8 * std::mem::size_of::<Frame>();
         assert_eq!(extra, per_stack);
+    }
+
+    #[test]
+    fn the_latest_profile_of_a_label_set_replaces_its_last_and_old_ones_expire() {
+        let shared = Shared::new(Arc::new(Metrics::default()), std::env::temp_dir(), false);
+        let labels = |v: &str| Arc::new(vec![("pid".to_string(), v.to_string())]);
+        let latest = |round: u64, v: &str, samples: i64| Latest {
+            id: format!("{v}-{round}"),
+            labels: labels(v),
+            samples,
+            round,
+            gz: Arc::new(Vec::new()),
+        };
+        shared.publish(
+            churn_round(1, 0),
+            vec![latest(1, "a", 5), latest(1, "b", 9)],
+        );
+        shared.publish(churn_round(2, 0), vec![latest(2, "a", 7)]);
+        let ids = |s: &Shared| -> Vec<String> {
+            s.inner
+                .lock()
+                .unwrap()
+                .latest
+                .iter()
+                .map(|l| l.id.clone())
+                .collect()
+        };
+        // One entry a label set, the busiest first.
+        assert_eq!(ids(&shared), ["b-1", "a-2"]);
+        shared.publish(churn_round(1 + LATEST_ROUNDS, 0), vec![]);
+        assert_eq!(ids(&shared), ["a-2"]);
     }
 
     #[test]
