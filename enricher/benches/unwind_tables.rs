@@ -1,10 +1,12 @@
 //! Time to build the unwind table of a binary from its CFI: libc (≈2 MiB) and firn's own
 //! enricher release binary (≈90 MiB with its line tables; the "large binary" case).
-//! The file is read into memory first; only the build is timed.
+//! The file is read into memory first; only the build is timed. Each is also built with
+//! gimli evaluating every FDE (`/gimli`), the baseline of the fast CFI walk.
 //!
 //! Run: `cargo bench -p firn-enricher --bench unwind_tables`.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use firn_enricher::UnwindWalk;
 
 fn inputs() -> Vec<(String, Vec<u8>)> {
     let big = std::env::var("FIRN_BENCH_BIG_BINARY").unwrap_or_else(|_| {
@@ -41,8 +43,12 @@ fn bench(c: &mut Criterion) {
             t.unsupported
         );
         g.throughput(Throughput::Bytes(data.len() as u64));
-        g.bench_function(name, |b| {
+        g.bench_function(name.clone(), |b| {
             b.iter(|| firn_enricher::build_unwind_table(&data))
+        });
+        // The baseline in the same run: every FDE evaluated by gimli's UnwindTable.
+        g.bench_function(format!("{name}/gimli"), |b| {
+            b.iter(|| firn_enricher::build_unwind_table_with(&data, UnwindWalk::Gimli))
         });
     }
     g.finish();

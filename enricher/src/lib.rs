@@ -36,6 +36,9 @@ pub use settings::file::{parse as parse_config, Labeling, Parsed as ParsedConfig
 pub use settings::ProfileBy;
 pub use symbolize::{panic_is_contained, Limits as SymbolLimits, Symbolizer};
 pub use unwind::build as build_unwind_table;
+pub use unwind::{
+    build_with as build_unwind_table_with, synthetic as unwind_synthetic, Walk as UnwindWalk,
+};
 
 /// The encodings of a round, as the outputs make them.
 pub mod encodings {

@@ -3,11 +3,16 @@
 
 pub mod build;
 pub(crate) mod cache;
+mod cfi;
+#[cfg(test)]
+mod identity_tests;
 mod order;
+#[doc(hidden)]
+pub mod synthetic;
 
 use std::collections::HashMap;
 
-pub use build::{build, BuildError, Table};
+pub use build::{build, build_with, BuildError, Table, Walk};
 
 /// Largest file a table is built from (the file is mapped, not read).
 const MAX_FILE_BYTES: u64 = 2 << 30;

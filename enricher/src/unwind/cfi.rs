@@ -1,0 +1,690 @@
+//! A CFI program evaluator that keeps only what a table row needs: the CFA rule and the
+//! rules of the return address and rbp.
+//!
+//! gimli's `UnwindTable` keeps every register's rule in each row, copies whole rows on
+//! `remember_state` and replays the CIE's program before each FDE: about half of a table
+//! build. This walks the same decoded instructions (gimli's own decoder) with a state of
+//! a few words. It gives up on a program (`Bail`) wherever gimli would fail or where it
+//! does not model an instruction; the caller then builds that FDE with gimli, so the rows
+//! are gimli's in every case. Identity with gimli is tested over real binaries and fuzzed.
+
+use gimli::{
+    CallFrameInstruction as I, CallFrameInstructionIter, Reader, Register, UnwindExpression,
+};
+
+/// x86_64 DWARF registers kept.
+pub(super) const RBP: u16 = 6;
+pub(super) const RA: u16 = 16;
+/// Rules of registers below this are tracked as a set (the CIE's, for `restore` and for
+/// gimli's stack depth); a rule for any other register bails. With at most 64 distinct
+/// registers, gimli's 64-rule limit is never reached on a program that does not bail.
+const TRACKED: u16 = 64;
+/// gimli's stack holds 4 rows (build.rs's `Storage`).
+const STACK_ROWS: usize = 4;
+
+/// A register's rule, as far as a table row tells them apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Rule {
+    /// No rule: the register keeps its value.
+    Default,
+    Undefined,
+    Same,
+    /// Saved at CFA + offset.
+    Offset(i64),
+    /// Any other rule (register, expression, value rules).
+    Other,
+}
+
+impl Rule {
+    pub(super) fn of<T: gimli::ReaderOffset>(r: Option<gimli::RegisterRule<T>>) -> Rule {
+        match r {
+            None => Rule::Default,
+            Some(gimli::RegisterRule::Undefined) => Rule::Undefined,
+            Some(gimli::RegisterRule::SameValue) => Rule::Same,
+            Some(gimli::RegisterRule::Offset(o)) => Rule::Offset(o),
+            Some(_) => Rule::Other,
+        }
+    }
+}
+
+/// The CFA rule: a register and an offset, or an expression (`Some(n)` when it is the
+/// PLT's, with its threshold `n`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Cfa {
+    Reg(u16, i64),
+    Expr(Option<u16>),
+}
+
+/// One row's rules, and (for a CIE) which registers have a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct State {
+    pub(super) cfa: Cfa,
+    pub(super) ra: Rule,
+    pub(super) rbp: Rule,
+    regs: u64,
+}
+
+impl State {
+    /// gimli's default row.
+    const EMPTY: State = State {
+        cfa: Cfa::Reg(0, 0),
+        ra: Rule::Default,
+        rbp: Rule::Default,
+        regs: 0,
+    };
+
+    /// A row's rules as gimli gives them (the set of registers is not needed there).
+    pub(super) fn of(cfa: Cfa, ra: Rule, rbp: Rule) -> State {
+        State {
+            cfa,
+            ra,
+            rbp,
+            regs: 0,
+        }
+    }
+
+    fn set(&mut self, register: Register, rule: Rule) -> Result<(), Bail> {
+        if register.0 >= TRACKED {
+            return Err(Bail);
+        }
+        self.regs |= 1 << register.0;
+        match register.0 {
+            RA => self.ra = rule,
+            RBP => self.rbp = rule,
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// The program leaves what this evaluator models, or gimli would fail on it.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Bail;
+
+/// A CIE's initial rules, evaluated once for all its FDEs.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Cie {
+    init: State,
+    /// Rows on gimli's stack before the FDE's program: a CIE with two rules or more
+    /// keeps a copy of its row under the current one.
+    base_rows: usize,
+    caf: u64,
+    daf: i64,
+    /// The size of each of an FDE's two addresses, and whether augmentation data
+    /// follows them: where its program starts.
+    pointers: usize,
+    augmented: bool,
+}
+
+/// An FDE's program: its bytes and their offset in the section.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Program<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+/// The program of the FDE at `offset` in `section`, from the layout of its header
+/// (gimli keeps the program's bytes to itself). `None` for 64-bit DWARF entries.
+pub(super) fn program<'a>(section: &'a [u8], offset: usize, cie: &Cie) -> Option<Program<'a>> {
+    let entry = section.get(offset..)?;
+    let length = u32::from_le_bytes(entry.get(..4)?.try_into().ok()?);
+    if length == u32::MAX {
+        return None;
+    }
+    let entry = entry.get(..4 + usize::try_from(length).ok()?)?;
+    // Length, CIE pointer, initial location, address range.
+    let mut at = 8 + 2 * cie.pointers;
+    if cie.augmented {
+        let mut p = Program {
+            bytes: entry.get(at..)?,
+            at: 0,
+        };
+        let len = usize::try_from(p.uleb().ok()?).ok()?;
+        at = at.checked_add(p.at)?.checked_add(len)?;
+    }
+    Some(Program {
+        bytes: entry.get(at..)?,
+        at: offset + at,
+    })
+}
+
+impl Program<'_> {
+    fn byte(&mut self) -> Result<u8, Bail> {
+        let b = *self.bytes.first().ok_or(Bail)?;
+        self.bytes = &self.bytes[1..];
+        self.at += 1;
+        Ok(b)
+    }
+
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], Bail> {
+        let (head, rest) = self.bytes.split_first_chunk::<N>().ok_or(Bail)?;
+        self.bytes = rest;
+        self.at += N;
+        Ok(*head)
+    }
+
+    /// An unsigned LEB128 of at most 9 bytes (63 bits): longer ones, which gimli reads
+    /// with checks of their own, bail.
+    fn uleb(&mut self) -> Result<u64, Bail> {
+        let mut v = 0;
+        for shift in (0..63).step_by(7) {
+            let b = self.byte()?;
+            v |= u64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                return Ok(v);
+            }
+        }
+        Err(Bail)
+    }
+
+    /// A signed LEB128 of at most 9 bytes.
+    fn sleb(&mut self) -> Result<i64, Bail> {
+        let mut v = 0i64;
+        for shift in (0..63).step_by(7) {
+            let b = self.byte()?;
+            v |= i64::from(b & 0x7f) << shift;
+            if b & 0x80 == 0 {
+                if b & 0x40 != 0 {
+                    v |= -1i64 << (shift + 7);
+                }
+                return Ok(v);
+            }
+        }
+        Err(Bail)
+    }
+
+    fn register(&mut self) -> Result<Register, Bail> {
+        match self.uleb()? {
+            r if r < u64::from(TRACKED) => Ok(Register(r as u16)),
+            _ => Err(Bail),
+        }
+    }
+
+    fn expression(&mut self) -> Result<UnwindExpression<usize>, Bail> {
+        let length = usize::try_from(self.uleb()?).map_err(|_| Bail)?;
+        let offset = self.at;
+        self.bytes = self.bytes.get(length..).ok_or(Bail)?;
+        self.at += length;
+        Ok(UnwindExpression { offset, length })
+    }
+
+    /// The next instruction as gimli decodes it, for those the walk evaluates.
+    #[inline(always)]
+    fn next(&mut self) -> Result<Option<I<usize>>, Bail> {
+        let Some(&op) = self.bytes.first() else {
+            return Ok(None);
+        };
+        self.byte()?;
+        let low = op & 0x3f;
+        Ok(Some(match op >> 6 {
+            1 => I::AdvanceLoc {
+                delta: u32::from(low),
+            },
+            2 => I::Offset {
+                register: Register(low.into()),
+                factored_offset: self.uleb()?,
+            },
+            3 => I::Restore {
+                register: Register(low.into()),
+            },
+            _ => match op {
+                0x00 => I::Nop,
+                0x02 => I::AdvanceLoc {
+                    delta: u32::from(self.byte()?),
+                },
+                0x03 => I::AdvanceLoc {
+                    delta: u32::from(u16::from_le_bytes(self.take()?)),
+                },
+                0x04 => I::AdvanceLoc {
+                    delta: u32::from_le_bytes(self.take()?),
+                },
+                0x05 => I::Offset {
+                    register: self.register()?,
+                    factored_offset: self.uleb()?,
+                },
+                0x06 => I::Restore {
+                    register: self.register()?,
+                },
+                0x07 => I::Undefined {
+                    register: self.register()?,
+                },
+                0x08 => I::SameValue {
+                    register: self.register()?,
+                },
+                0x09 => I::Register {
+                    dest_register: self.register()?,
+                    src_register: Register(u16::try_from(self.uleb()?).map_err(|_| Bail)?),
+                },
+                0x0a => I::RememberState,
+                0x0b => I::RestoreState,
+                0x0c => I::DefCfa {
+                    register: Register(u16::try_from(self.uleb()?).map_err(|_| Bail)?),
+                    offset: self.uleb()?,
+                },
+                0x0d => I::DefCfaRegister {
+                    register: Register(u16::try_from(self.uleb()?).map_err(|_| Bail)?),
+                },
+                0x0e => I::DefCfaOffset {
+                    offset: self.uleb()?,
+                },
+                0x0f => I::DefCfaExpression {
+                    expression: self.expression()?,
+                },
+                0x10 => I::Expression {
+                    register: self.register()?,
+                    expression: self.expression()?,
+                },
+                0x11 => I::OffsetExtendedSf {
+                    register: self.register()?,
+                    factored_offset: self.sleb()?,
+                },
+                0x12 => I::DefCfaSf {
+                    register: Register(u16::try_from(self.uleb()?).map_err(|_| Bail)?),
+                    factored_offset: self.sleb()?,
+                },
+                0x13 => I::DefCfaOffsetSf {
+                    factored_offset: self.sleb()?,
+                },
+                0x14 => I::ValOffset {
+                    register: self.register()?,
+                    factored_offset: self.uleb()?,
+                },
+                0x15 => I::ValOffsetSf {
+                    register: self.register()?,
+                    factored_offset: self.sleb()?,
+                },
+                0x16 => I::ValExpression {
+                    register: self.register()?,
+                    expression: self.expression()?,
+                },
+                0x2e => I::ArgsSize { size: self.uleb()? },
+                // set_loc and anything else: gimli's.
+                _ => return Err(Bail),
+            },
+        }))
+    }
+}
+
+/// What each instruction does to the state; `None` for the instructions that end a row
+/// or move the stack, which the caller handles.
+fn apply<T: gimli::ReaderOffset>(
+    s: &mut State,
+    i: &I<T>,
+    daf: i64,
+    plt: &impl Fn(UnwindExpression<T>) -> Option<u16>,
+) -> Option<Result<(), Bail>> {
+    let d = |f: i64| f.wrapping_mul(daf);
+    Some(match *i {
+        I::Nop | I::ArgsSize { .. } => Ok(()),
+        I::DefCfa { register, offset } => {
+            s.cfa = Cfa::Reg(register.0, offset as i64);
+            Ok(())
+        }
+        I::DefCfaSf {
+            register,
+            factored_offset,
+        } => {
+            s.cfa = Cfa::Reg(register.0, d(factored_offset));
+            Ok(())
+        }
+        I::DefCfaRegister { register } => match s.cfa {
+            Cfa::Reg(_, o) => {
+                s.cfa = Cfa::Reg(register.0, o);
+                Ok(())
+            }
+            Cfa::Expr(_) => Err(Bail),
+        },
+        I::DefCfaOffset { offset } => match s.cfa {
+            Cfa::Reg(r, _) => {
+                s.cfa = Cfa::Reg(r, offset as i64);
+                Ok(())
+            }
+            Cfa::Expr(_) => Err(Bail),
+        },
+        I::DefCfaOffsetSf { factored_offset } => match s.cfa {
+            Cfa::Reg(r, _) => {
+                s.cfa = Cfa::Reg(r, d(factored_offset));
+                Ok(())
+            }
+            Cfa::Expr(_) => Err(Bail),
+        },
+        I::DefCfaExpression { expression } => {
+            s.cfa = Cfa::Expr(plt(expression));
+            Ok(())
+        }
+        I::Undefined { register } => s.set(register, Rule::Undefined),
+        I::SameValue { register } => s.set(register, Rule::Same),
+        I::Offset {
+            register,
+            factored_offset,
+        } => s.set(register, Rule::Offset(d(factored_offset as i64))),
+        I::OffsetExtendedSf {
+            register,
+            factored_offset,
+        } => s.set(register, Rule::Offset(d(factored_offset))),
+        I::ValOffset { register, .. }
+        | I::ValOffsetSf { register, .. }
+        | I::Register {
+            dest_register: register,
+            ..
+        }
+        | I::Expression { register, .. }
+        | I::ValExpression { register, .. } => s.set(register, Rule::Other),
+        I::SetLoc { .. }
+        | I::AdvanceLoc { .. }
+        | I::Restore { .. }
+        | I::RememberState
+        | I::RestoreState
+        | I::NegateRaState => return None,
+    })
+}
+
+/// Evaluates a CIE's initial instructions. `None` leaves its FDEs to gimli: an address
+/// size other than 8, or anything in the program but rule definitions.
+pub(super) fn cie<R: Reader>(
+    cie: &gimli::CommonInformationEntry<R>,
+    mut program: CallFrameInstructionIter<'_, R>,
+    plt: impl Fn(UnwindExpression<R::Offset>) -> Option<u16>,
+) -> Option<Cie> {
+    if cie.address_size() != 8 {
+        return None;
+    }
+    let augmented = match cie.augmentation() {
+        None => false,
+        // 'z' with data; a bare "z" or "zS" is not told apart from GNU as's "S"
+        // (no data) through gimli's accessors.
+        Some(_) if cie.fde_address_encoding().is_some() || cie.lsda_encoding().is_some() => true,
+        Some(_) if cie.personality().is_some() => true,
+        Some(_) => return None,
+    };
+    let pointers = match cie.fde_address_encoding() {
+        None => 8,
+        Some(e) => {
+            use gimli::constants as c;
+            if !matches!(
+                e.application(),
+                c::DW_EH_PE_absptr
+                    | c::DW_EH_PE_pcrel
+                    | c::DW_EH_PE_textrel
+                    | c::DW_EH_PE_datarel
+                    | c::DW_EH_PE_funcrel
+            ) {
+                return None;
+            }
+            match e.format() {
+                c::DW_EH_PE_absptr | c::DW_EH_PE_udata8 | c::DW_EH_PE_sdata8 => 8,
+                c::DW_EH_PE_udata4 | c::DW_EH_PE_sdata4 => 4,
+                c::DW_EH_PE_udata2 | c::DW_EH_PE_sdata2 => 2,
+                _ => return None,
+            }
+        }
+    };
+    let daf = cie.data_alignment_factor();
+    let mut s = State::EMPTY;
+    while let Some(i) = program.next().ok()? {
+        apply(&mut s, &i, daf, &plt)?.ok()?;
+    }
+    Some(Cie {
+        init: s,
+        base_rows: if s.regs.count_ones() >= 2 { 2 } else { 1 },
+        caf: cie.code_alignment_factor(),
+        daf,
+        pointers,
+        augmented,
+    })
+}
+
+/// Evaluates an FDE's program from `start`, calling `row` with each row's address and
+/// rules as gimli's `next_row` would return them (including repeats). On `Bail` some
+/// rows may have been given already: the caller drops them.
+pub(super) fn rows(
+    cie: &Cie,
+    mut program: Program<'_>,
+    plt: impl Fn(UnwindExpression<usize>) -> Option<u16>,
+    start: u64,
+    mut row: impl FnMut(u64, &State),
+) -> Result<(), Bail> {
+    let mut s = cie.init;
+    let mut saved = [State::EMPTY; STACK_ROWS - 1];
+    let mut depth = 0;
+    let mut pc = start;
+    loop {
+        let Some(i) = program.next()? else {
+            row(pc, &s);
+            return Ok(());
+        };
+        if let Some(done) = apply(&mut s, &i, cie.daf, &plt) {
+            done?;
+            continue;
+        }
+        match i {
+            I::AdvanceLoc { delta } => {
+                row(pc, &s);
+                pc = pc
+                    .checked_add(u64::from(delta).wrapping_mul(cie.caf))
+                    .ok_or(Bail)?;
+            }
+            I::Restore { register } => {
+                if register.0 >= TRACKED {
+                    return Err(Bail);
+                }
+                if cie.init.regs & (1 << register.0) != 0 {
+                    s.regs |= 1 << register.0;
+                } else {
+                    s.regs &= !(1 << register.0);
+                }
+                match register.0 {
+                    RA => s.ra = cie.init.ra,
+                    RBP => s.rbp = cie.init.rbp,
+                    _ => {}
+                }
+            }
+            I::RememberState => {
+                if cie.base_rows + depth >= STACK_ROWS {
+                    return Err(Bail);
+                }
+                saved[depth] = s;
+                depth += 1;
+            }
+            I::RestoreState => {
+                if depth == 0 {
+                    return Err(Bail);
+                }
+                depth -= 1;
+                s = saved[depth];
+            }
+            // set_loc is rare and has its own checks in gimli.
+            _ => return Err(Bail),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::build::{Table, Walk};
+    use super::super::synthetic::{build, eh_frame};
+
+    /// Both walks over one synthetic section: the same table (or the same error); returns
+    /// how many FDEs the fast walk left to gimli.
+    fn same(caf: u64, daf: i64, cie: &[u8], fdes: &[(u32, u32, &[u8])]) -> usize {
+        same_of(caf, daf, cie, fdes).0
+    }
+
+    /// `same`, and the fast walk's table.
+    fn same_of(
+        caf: u64,
+        daf: i64,
+        cie: &[u8],
+        fdes: &[(u32, u32, &[u8])],
+    ) -> (usize, Option<Table>) {
+        let bytes = eh_frame(caf, daf, cie, fdes);
+        let (fast, gimli) = (build(&bytes, Walk::Fast), build(&bytes, Walk::Gimli));
+        match (fast, gimli) {
+            (Ok(f), Ok(g)) => {
+                assert_eq!(f.rows, g.rows, "rows of {cie:x?} {fdes:x?}");
+                assert_eq!(
+                    (f.fdes, f.unsupported, f.outside),
+                    (g.fdes, g.unsupported, g.outside),
+                    "counts of {cie:x?} {fdes:x?}"
+                );
+                (f.fallback, Some(f))
+            }
+            (f, g) => {
+                assert_eq!(format!("{f:?}"), format!("{g:?}"));
+                (0, None)
+            }
+        }
+    }
+
+    /// def_cfa rsp+8; offset r16 at cfa-8 (what gcc and clang emit).
+    const CIE: &[u8] = &[0x0c, 7, 8, 0x90, 1];
+    const PLT: &[u8] = &[
+        0x0f, 11, 0x77, 0x08, 0x80, 0x00, 0x3f, 0x1a, 0x3b, 0x2a, 0x33, 0x24, 0x22,
+    ];
+
+    #[test]
+    fn a_function_with_a_frame_is_walked_without_gimli() {
+        // push rbp; mov rbp, rsp; ...; leave; ret.
+        let f: &[u8] = &[0x41, 0x0e, 16, 0x86, 2, 0x43, 0x0d, 6, 0x4a, 0x0c, 7, 8];
+        assert_eq!(
+            same(1, -8, CIE, &[(0x1000, 0x40, f), (0x2000, 0x10, PLT)]),
+            0
+        );
+        let t = build(&eh_frame(1, -8, CIE, &[(0x1000, 0x40, f)]), Walk::Fast).expect("a table");
+        // Entry, after push, after mov (rbp-based), after leave, the end marker.
+        assert_eq!(t.rows.len(), 5, "{:?}", t.rows);
+    }
+
+    #[test]
+    fn the_stack_depth_limits_are_gimlis() {
+        // One rule in the CIE: three remembers fit, the fourth fails in gimli too.
+        let three: &[u8] = &[0x0a, 0x41, 0x0a, 0x41, 0x0a, 0x41, 0x0b, 0x41, 0x0b, 0x0b];
+        assert_eq!(same(1, -8, CIE, &[(0x100, 0x20, three)]), 0);
+        let four: &[u8] = &[0x0a, 0x0a, 0x0a, 0x41, 0x0a, 0x41];
+        assert_eq!(same(1, -8, CIE, &[(0x100, 0x20, four)]), 1);
+        // Two rules in the CIE: gimli keeps a copy under the row, so two fit.
+        let cie2: &[u8] = &[0x0c, 7, 8, 0x90, 1, 0x08, 3];
+        assert_eq!(same(1, -8, cie2, &[(0x100, 0x20, &three[..6])]), 1);
+        assert_eq!(same(1, -8, cie2, &[(0x100, 0x20, &three[..4])]), 0);
+        // A restore without a remember.
+        assert_eq!(same(1, -8, CIE, &[(0x100, 0x20, &[0x41, 0x0b, 0x41])]), 1);
+    }
+
+    #[test]
+    fn restore_brings_back_the_cies_rule_or_none() {
+        let f: &[u8] = &[
+            0x41, 0x8a, 3, 0x86, 2, 0x90, 3, 0x41, 0xc6, 0xd0, 0x41, 0xca,
+        ];
+        assert_eq!(same(1, -8, CIE, &[(0x100, 0x20, f)]), 0);
+        let cie_rbp: &[u8] = &[0x0c, 7, 8, 0x90, 1, 0x86, 2];
+        assert_eq!(same(1, -8, cie_rbp, &[(0x100, 0x20, f)]), 0);
+    }
+
+    #[test]
+    fn the_cfa_offset_cannot_change_under_an_expression() {
+        let f: &[u8] = &[0x41, 0x0e, 16];
+        let g = [PLT, f].concat();
+        assert_eq!(same(1, -8, CIE, &[(0x100, 0x20, &g)]), 1);
+        let cie_expr = [CIE, PLT].concat();
+        assert_eq!(
+            same(1, -8, &cie_expr, &[(0x100, 0x20, &[0x41, 0x0c, 7, 16])]),
+            0
+        );
+    }
+
+    #[test]
+    fn addresses_that_overflow_end_the_fde_as_in_gimli() {
+        let f: &[u8] = &[0x41, 0x04, 0xff, 0xff, 0xff, 0xff, 0x41];
+        assert_eq!(same(u64::MAX / 3, -8, CIE, &[(0x100, 0x20, f)]), 1);
+        // An advance of zero repeats the address.
+        assert_eq!(
+            same(1, -8, CIE, &[(0x100, 0x20, &[0x40, 0x0e, 16, 0x40])]),
+            0
+        );
+    }
+
+    #[test]
+    fn cies_the_walk_does_not_model_leave_their_fdes_to_gimli() {
+        let f: &[u8] = &[0x41, 0x0e, 16];
+        // A CIE that advances, restores, remembers, or names a register above 63.
+        for cie in [&[0x0c, 7, 8, 0x41][..], &[0xc6], &[0x0a], &[0x07, 70]] {
+            let all = [CIE, cie].concat();
+            assert_eq!(same(1, -8, &all, &[(0x100, 0x20, f)]), 1, "{cie:x?}");
+        }
+    }
+
+    /// A small deterministic generator (xorshift), so failures reproduce.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    fn instruction(r: &mut Rng, out: &mut Vec<u8>) {
+        const REGS: [u8; 12] = [6, 7, 16, 6, 7, 16, 6, 16, 3, 12, 63, 70];
+        let reg = REGS[r.below(REGS.len() as u64) as usize];
+        let small = r.below(40) as u8;
+        match r.below(26) {
+            0..=5 => out.push(0x40 | (r.below(4) as u8)),
+            6 | 7 => out.extend_from_slice(&[0x0e, small]),
+            8 | 9 if reg < 64 => out.extend_from_slice(&[0x80 | reg, r.below(4) as u8]),
+            10 if reg < 64 => out.push(0xc0 | reg),
+            11 => out.extend_from_slice(&[0x05, reg, small]),
+            12 => out.extend_from_slice(&[0x06, reg]),
+            13 => out.extend_from_slice(&[0x07, reg]),
+            14 => out.extend_from_slice(&[0x08, reg]),
+            15 => out.extend_from_slice(&[0x09, reg, 7]),
+            16 => out.push(0x0a),
+            17 => out.push(0x0b),
+            18 => out.extend_from_slice(&[0x0c, reg, small]),
+            19 => out.extend_from_slice(&[0x0d, reg]),
+            20 => out.extend_from_slice(PLT),
+            21 => out.extend_from_slice(&[0x10, reg, 1, 0x30]),
+            22 => out.extend_from_slice(&[0x11, reg, 0x7e]),
+            23 => out.extend_from_slice(&[0x12, reg, 0x7e, 0x13, 0x7f]),
+            24 => out.extend_from_slice(&[0x14, reg, 1, 0x15, reg, 0x7f, 0x2e, 8]),
+            _ => out.extend_from_slice(&[0x02, small, 0x03, 1, 0, 0x00]),
+        }
+    }
+
+    #[test]
+    fn random_programs_give_gimlis_rows() {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+        let (mut fell_back, mut walked) = (0, 0);
+        for _ in 0..4000 {
+            let mut cie = CIE.to_vec();
+            for _ in 0..r.below(3) {
+                instruction(&mut r, &mut cie);
+            }
+            let mut programs = Vec::new();
+            for _ in 0..1 + r.below(3) {
+                let mut p = Vec::new();
+                for _ in 0..r.below(24) {
+                    instruction(&mut r, &mut p);
+                }
+                programs.push(p);
+            }
+            let fdes: Vec<(u32, u32, &[u8])> = programs
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (0x1000 * (i as u32 + 1), 0x80, p.as_slice()))
+                .collect();
+            let (back, t) = same_of(1, -8, &cie, &fdes);
+            fell_back += back;
+            walked += t.map_or(0, |t| t.fdes - t.fallback);
+        }
+        // Both paths were taken, often.
+        assert!(
+            fell_back > 1000 && walked > 2000,
+            "{fell_back} fallbacks, {walked} walked"
+        );
+    }
+}
