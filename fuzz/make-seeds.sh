@@ -89,7 +89,23 @@ open(d + 'seed-continued', 'wb').write(bytes([3, 1, 0x10, 0, 0]) + row(0x2000, 8
 open(d + 'seed-unsorted', 'wb').write(bytes(5) + row(0x20, 8, 1, 0, 0) + row(0x10, 8, 1, 0, 0))
 PY
 
-# The CPython analysis: a small shared object with the symbols and sizes of a 3.10 (its
+# CFI programs (cfi_program): factor bytes, the CIE's program after its length, then
+# length-prefixed FDE programs: a frame set up and torn down, remember/restore around an
+# early return, a PLT expression, an rbp save restored.
+mkdir -p $s/cfi_program
+python3 - "$s/cfi_program" <<'PY'
+import sys
+d = sys.argv[1] + '/'
+cie = bytes([0x0c, 7, 8, 0x90, 1])
+def seed(name, *fdes):
+    out = bytes([0, 0, len(cie)]) + cie
+    for f in fdes: out += bytes([len(f)]) + bytes(f)
+    open(d + 'seed-' + name, 'wb').write(out)
+seed('frame', [0x41, 0x0e, 16, 0x86, 2, 0x43, 0x0d, 6, 0x4a, 0x0c, 7, 8])
+seed('remember', [0x41, 0x0e, 16, 0x86, 2, 0x44, 0x0a, 0x0e, 8, 0xc6, 0x41, 0x0b, 0x42, 0x0e, 8])
+seed('plt', [0x0f, 11, 0x77, 8, 0x80, 0, 0x3f, 0x1a, 0x3b, 0x2a, 0x33, 0x24, 0x22], [0x02, 200, 0x12, 7, 0x7e, 0x11, 6, 0x7d])
+PY
+ a small shared object with the symbols and sizes of a 3.10 (its
 # version comes from the name the target gives) and one with a 3.13 Py_Version and a
 # _PyRuntime that starts with the debug offsets' cookie.
 mkdir -p $s/python_interpreter $s/python_lines
