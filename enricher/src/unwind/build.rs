@@ -17,7 +17,7 @@ use object::read::elf::{ElfFile64, FileHeader, ProgramHeader};
 use object::{Object, ObjectSection};
 
 use super::cfi::{self, Cfa, Rule, State};
-use super::order::{in_order, tidy, Run};
+use super::order::{table, Run};
 use firn_schema::unwind_row::{self as k, Row};
 
 type R<'a> = EndianSlice<'a, LittleEndian>;
@@ -469,7 +469,7 @@ where
         }
     }
     Ok(Table {
-        rows: tidy(in_order(out.raw, runs)),
+        rows: table(out.raw, runs),
         source,
         fdes,
         unsupported: out.unsupported,

@@ -86,3 +86,45 @@ fn the_fast_walk_gives_gimlis_tables_for_every_elf_file_here() {
     );
     assert!(tables > 100, "too few tables to say anything: {tables}");
 }
+
+/// Against tables an earlier build of firn kept on disk (the cache's key covers firn's
+/// version and the table format, so an entry found is one this version must reproduce
+/// byte for byte): the ordering and tidying, which both walks share, did not change.
+/// FIRN_IDENTITY_CACHE names the cache directory (copied first: reads touch entries).
+#[test]
+#[ignore = "reads every ELF file on the machine and a table cache: minutes"]
+fn tables_are_those_an_earlier_build_kept_in_the_cache() {
+    let Ok(dir) = std::env::var("FIRN_IDENTITY_CACHE") else {
+        panic!("set FIRN_IDENTITY_CACHE to a copy of an unwind table cache directory");
+    };
+    let mut cache = super::cache::Cache::open(Path::new(&dir), u64::MAX, 0).expect("the cache");
+    let home = std::env::var("HOME").unwrap_or_default();
+    let mut files = Vec::new();
+    let workloads = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/workloads");
+    let pyenv = format!("{home}/.pyenv/versions");
+    for d in ["/usr/bin", "/usr/lib", "/usr/local", &pyenv, workloads] {
+        elf_files(Path::new(d), &mut files);
+    }
+    let (mut compared, mut rows) = (0, 0);
+    for path in &files {
+        let (Ok(file), Ok(data)) = (std::fs::File::open(path), std::fs::read(path)) else {
+            continue;
+        };
+        let Some(key) = super::cache::key_of(&file, &data) else {
+            continue;
+        };
+        let super::cache::Found::Rows(kept) = cache.get(&key) else {
+            continue;
+        };
+        let built = super::build::build(&data).expect("a table for a cached file");
+        rows += built.rows.len();
+        assert!(
+            built.into_bytes() == kept,
+            "{}: differs from the cached table",
+            path.display()
+        );
+        compared += 1;
+    }
+    eprintln!("{compared} tables ({rows} rows) equal to the cached ones");
+    assert!(compared > 20, "too few cached tables found: {compared}");
+}

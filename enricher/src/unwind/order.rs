@@ -18,70 +18,96 @@ fn sort_key(r: &Row) -> (u32, bool) {
     (r.pc, r.cfa != k::CFA_NONE)
 }
 
-/// The rows sorted as a stable sort by `sort_key` would leave them. An FDE's rows come
-/// in address order, so the FDEs are sorted by their first pc and their rows laid end to
-/// end: a binary whose FDEs are out of address order (hot and cold parts of functions,
-/// LTO) then costs a sort of its FDEs, not of all its rows (it was most of a build).
-/// Where that order is not what the stable sort gives (FDEs that overlap, rows out of
-/// order inside one), the rows are sorted whole, as before.
-pub(super) fn in_order(mut raw: Vec<Row>, mut runs: Vec<Run>) -> Vec<Row> {
-    laid_out(&raw, &mut runs).unwrap_or_else(|| {
-        raw.sort_by_key(sort_key);
-        raw
-    })
+/// The table of a binary's rows: sorted as a stable sort by `sort_key` would leave them,
+/// then tidied. An FDE's rows come in address order, so the FDEs are sorted by their
+/// first pc and their rows laid end to end, and tidied as they are laid: a binary whose
+/// FDEs are out of address order (hot and cold parts of functions, LTO) then costs a
+/// sort of its FDEs, not of all its rows, and no copy of them. Where that order is not
+/// what the stable sort gives (FDEs that overlap, rows out of order inside one), the
+/// rows are sorted whole.
+pub(super) fn table(mut raw: Vec<Row>, mut runs: Vec<Run>) -> Vec<Row> {
+    let mut t = Tidy::with_capacity(raw.len());
+    if laid_out(&raw, &mut runs, |r| t.push(r)) {
+        return t.finish();
+    }
+    raw.sort_by_key(sort_key);
+    let mut t = Tidy::with_capacity(raw.len());
+    raw.into_iter().for_each(|r| t.push(r));
+    t.finish()
 }
 
-/// The runs' rows, the runs sorted by first pc, if that is the stable sort's order:
-/// each row's key and its index in `raw` rise strictly.
-fn laid_out(raw: &[Row], runs: &mut [Run]) -> Option<Vec<Row>> {
-    runs.sort_by_key(|r| r.pc);
-    let mut out: Vec<Row> = Vec::with_capacity(raw.len());
+/// Gives `each` the runs' rows, the runs sorted by first pc, while that is the stable
+/// sort's order (each row's key and its index in `raw` rise strictly); false where it
+/// is not, or where a row is in no run.
+fn laid_out(raw: &[Row], runs: &mut [Run], mut each: impl FnMut(Row)) -> bool {
+    runs.sort_unstable_by_key(|r| (r.pc, r.start));
     let mut last: Option<((u32, bool), usize)> = None;
+    let mut given = 0;
     for run in runs.iter() {
         for (i, r) in raw.iter().enumerate().take(run.end).skip(run.start) {
             let now = (sort_key(r), i);
             if last.is_some_and(|l| l >= now) {
-                return None;
+                return false;
             }
             last = Some(now);
-            out.push(*r);
+            each(*r);
+            given += 1;
         }
     }
-    // Every row in some run (rows_of lays them so).
-    (out.len() == raw.len()).then_some(out)
+    given == raw.len()
 }
 
-/// Rows sorted by `in_order` with one row per pc (a function's rule beats the end marker
-/// of the one before it), rows that repeat their predecessor's rule dropped. In place: a
-/// big binary's rows (rustc's 1.1 M) are not copied again; the capacity left over goes
-/// back.
-pub(super) fn tidy(mut raw: Vec<Row>) -> Vec<Row> {
-    // Sorted stably: among rows of one pc, markers come first and the last row is kept,
-    // so a rule wins, and of two rules the later FDE's (a PLT's FDE ends with an empty
-    // row at the next one's start).
-    debug_assert!(raw.is_sorted_by_key(sort_key));
-    let mut kept = 0;
-    for i in 0..raw.len() {
-        let r = raw[i];
-        if kept > 0 && raw[kept - 1].pc == r.pc {
-            raw[kept - 1] = r;
-        } else {
-            raw[kept] = r;
-            kept += 1;
+/// Rows in sort order become the table's: one row per pc (a function's rule beats the
+/// end marker of the one before it), rows that repeat the rule of the row kept before
+/// them dropped, no marker first.
+struct Tidy {
+    out: Vec<Row>,
+    /// The last row given: kept once a row of another pc comes.
+    pending: Option<Row>,
+}
+
+impl Tidy {
+    fn with_capacity(n: usize) -> Self {
+        Tidy {
+            out: Vec::with_capacity(n),
+            pending: None,
         }
     }
-    raw.truncate(kept);
-    // Then each rule once: a row that repeats the rule of the row before it goes.
-    let same_rule = |a: &Row, b: &Row| {
-        (a.cfa, a.cfa_offset, a.rbp, a.rbp_offset8) == (b.cfa, b.cfa_offset, b.rbp, b.rbp_offset8)
-    };
-    raw.dedup_by(|r, last| same_rule(r, last));
-    // A table that begins with a marker says nothing at its start.
-    if raw.first().is_some_and(|r| r.cfa == k::CFA_NONE) {
-        raw.remove(0);
+
+    /// Sorted stably: among rows of one pc, markers come first and the last row is kept,
+    /// so a rule wins, and of two rules the later FDE's (a PLT's FDE ends with an empty
+    /// row at the next one's start).
+    #[inline]
+    fn push(&mut self, r: Row) {
+        if let Some(p) = self.pending.replace(r) {
+            if p.pc != r.pc {
+                self.keep(p);
+            }
+        }
     }
-    raw.shrink_to_fit();
-    raw
+
+    #[inline]
+    fn keep(&mut self, r: Row) {
+        let same_rule = |a: &Row| {
+            (a.cfa, a.cfa_offset, a.rbp, a.rbp_offset8)
+                == (r.cfa, r.cfa_offset, r.rbp, r.rbp_offset8)
+        };
+        if !self.out.last().is_some_and(same_rule) {
+            self.out.push(r);
+        }
+    }
+
+    fn finish(mut self) -> Vec<Row> {
+        if let Some(p) = self.pending.take() {
+            self.keep(p);
+        }
+        // A table that begins with a marker says nothing at its start.
+        if self.out.first().is_some_and(|r| r.cfa == k::CFA_NONE) {
+            self.out.remove(0);
+        }
+        self.out.shrink_to_fit();
+        self.out
+    }
 }
 
 #[cfg(test)]
@@ -98,17 +124,28 @@ mod tests {
         }
     }
 
-    /// Rows in one run, so `in_order` sorts them whole.
-    fn sorted(raw: Vec<Row>) -> Vec<Row> {
-        let end = raw.len();
-        in_order(
-            raw,
-            vec![Run {
-                pc: 0,
-                start: 0,
-                end,
-            }],
-        )
+    /// The rows in the order `table` tidies them.
+    fn in_order(raw: Vec<Row>, mut runs: Vec<Run>) -> Vec<Row> {
+        let mut out = Vec::new();
+        if laid_out(&raw, &mut runs, |r| out.push(r)) {
+            return out;
+        }
+        let mut raw = raw;
+        raw.sort_by_key(sort_key);
+        raw
+    }
+
+    /// Sorted rows, tidied.
+    fn tidy(sorted: Vec<Row>) -> Vec<Row> {
+        let mut t = Tidy::with_capacity(sorted.len());
+        sorted.into_iter().for_each(|r| t.push(r));
+        t.finish()
+    }
+
+    /// Rows in one run, so `table` sorts them whole.
+    fn sorted(mut raw: Vec<Row>) -> Vec<Row> {
+        raw.sort_by_key(sort_key);
+        raw
     }
 
     #[test]
@@ -207,12 +244,17 @@ mod tests {
                 let (raw, runs) = fdes(seed, 1 + seed as usize % 50, overlaps);
                 let mut sorted = raw.clone();
                 sorted.sort_by_key(sort_key);
-                let laid = laid_out(&raw, &mut runs.clone());
+                let laid = laid_out(&raw, &mut runs.clone(), |_| {});
                 if overlaps {
-                    fell_back += usize::from(laid.is_none());
+                    fell_back += usize::from(!laid);
                 } else {
-                    assert!(laid.is_some(), "seed {seed}: FDEs apart are laid out");
+                    assert!(laid, "seed {seed}: FDEs apart are laid out");
                 }
+                assert_eq!(
+                    table(raw.clone(), runs.clone()),
+                    tidy(sorted.clone()),
+                    "seed {seed}, overlaps {overlaps}"
+                );
                 assert_eq!(
                     in_order(raw, runs),
                     sorted,
