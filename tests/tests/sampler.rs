@@ -60,14 +60,17 @@ fn sampling_end_to_end() {
     std::thread::sleep(5 * SECS);
     let batches = batches(&dump);
 
-    // The workload's process record, with its executable mapping.
+    // The workload's process record, with its executable mapping. A sample taken between
+    // the fork and the exec makes a process of its own (this test's binary under the same
+    // pid; an exec is a new process to firn), so the record is the one of the workload's
+    // executable.
+    let exe_str = exe.to_string_lossy().to_string();
     let record = batches
         .iter()
         .flat_map(|b| b["processes"].as_array().cloned().unwrap_or_default())
-        .find(|p| p["pid"].as_u64() == Some(pid))
+        .find(|p| p["pid"].as_u64() == Some(pid) && p["exe"].as_str() == Some(exe_str.as_str()))
         .expect("a process record for the workload");
     assert_eq!(record["complete"], true);
-    let exe_str = exe.to_string_lossy().to_string();
     let maps: Vec<(u64, u64)> = record["mappings"]
         .as_array()
         .unwrap()

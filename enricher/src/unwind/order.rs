@@ -31,9 +31,7 @@ pub(super) fn table(mut raw: Vec<Row>, mut runs: Vec<Run>) -> Vec<Row> {
         return t.finish();
     }
     raw.sort_by_key(sort_key);
-    let mut t = Tidy::with_capacity(raw.len());
-    raw.into_iter().for_each(|r| t.push(r));
-    t.finish()
+    Tidy::in_place(raw)
 }
 
 /// Gives `each` the runs' rows, the runs sorted by first pc, while that is the stable
@@ -61,7 +59,9 @@ fn laid_out(raw: &[Row], runs: &mut [Run], mut each: impl FnMut(Row)) -> bool {
 /// end marker of the one before it), rows that repeat the rule of the row kept before
 /// them dropped, no marker first.
 struct Tidy {
+    /// The rows kept are `out[..kept]`; in place, the rest are those still to come.
     out: Vec<Row>,
+    kept: usize,
     /// The last row given: kept once a row of another pc comes.
     pending: Option<Row>,
 }
@@ -70,8 +70,25 @@ impl Tidy {
     fn with_capacity(n: usize) -> Self {
         Tidy {
             out: Vec::with_capacity(n),
+            kept: 0,
             pending: None,
         }
+    }
+
+    /// Sorted rows tidied in their own buffer: a big binary's rows (rustc's 1.1 M) are
+    /// not copied. A row is kept at an index below the one it was read from.
+    fn in_place(rows: Vec<Row>) -> Vec<Row> {
+        let n = rows.len();
+        let mut t = Tidy {
+            out: rows,
+            kept: 0,
+            pending: None,
+        };
+        for i in 0..n {
+            let r = t.out[i];
+            t.push(r);
+        }
+        t.finish()
     }
 
     /// Sorted stably: among rows of one pc, markers come first and the last row is kept,
@@ -92,15 +109,22 @@ impl Tidy {
             (a.cfa, a.cfa_offset, a.rbp, a.rbp_offset8)
                 == (r.cfa, r.cfa_offset, r.rbp, r.rbp_offset8)
         };
-        if !self.out.last().is_some_and(same_rule) {
+        if self.kept > 0 && same_rule(&self.out[self.kept - 1]) {
+            return;
+        }
+        if self.kept < self.out.len() {
+            self.out[self.kept] = r;
+        } else {
             self.out.push(r);
         }
+        self.kept += 1;
     }
 
     fn finish(mut self) -> Vec<Row> {
         if let Some(p) = self.pending.take() {
             self.keep(p);
         }
+        self.out.truncate(self.kept);
         // A table that begins with a marker says nothing at its start.
         if self.out.first().is_some_and(|r| r.cfa == k::CFA_NONE) {
             self.out.remove(0);
@@ -135,11 +159,14 @@ mod tests {
         raw
     }
 
-    /// Sorted rows, tidied.
+    /// Sorted rows, tidied (in place and into a new buffer alike).
     fn tidy(sorted: Vec<Row>) -> Vec<Row> {
         let mut t = Tidy::with_capacity(sorted.len());
-        sorted.into_iter().for_each(|r| t.push(r));
-        t.finish()
+        sorted.iter().for_each(|r| t.push(*r));
+        let streamed = t.finish();
+        let in_place = Tidy::in_place(sorted);
+        assert_eq!(streamed, in_place);
+        in_place
     }
 
     /// Rows in one run, so `table` sorts them whole.
