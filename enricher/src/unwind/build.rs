@@ -23,9 +23,9 @@ use firn_schema::unwind_row::{self as k, Row};
 type R<'a> = EndianSlice<'a, LittleEndian>;
 
 /// x86_64 DWARF registers.
-const RBP: Register = Register(6);
+const RBP: Register = Register(cfi::RBP);
 const RSP: Register = Register(7);
-const RA: Register = Register(16);
+const RA: Register = Register(cfi::RA);
 
 /// The PLT's CFA expression (binutils): rsp + 8 + ((rip & 15) >= N) << 3, N = 10 or 11.
 const PLT_EXPR_HEAD: [u8; 7] = [0x77, 0x08, 0x80, 0x00, 0x3f, 0x1a, 0x00];

@@ -7,8 +7,9 @@ use super::build::{rows_of_eh_frame, BuildError, Table, Walk};
 /// register 16) with `cie_program`, then one FDE for each `(start, length, program)`.
 pub fn eh_frame(caf: u64, daf: i64, cie_program: &[u8], fdes: &[(u32, u32, &[u8])]) -> Vec<u8> {
     let mut cie = vec![0, 0, 0, 0, 1, b'z', b'R', 0];
-    uleb(&mut cie, caf);
-    sleb(&mut cie, daf);
+    // Writing to a Vec cannot fail.
+    let _ = gimli::leb128::write::unsigned(&mut cie, caf);
+    let _ = gimli::leb128::write::signed(&mut cie, daf);
     cie.extend_from_slice(&[16, 1, 0x03]);
     cie.extend_from_slice(cie_program);
     let mut out = Vec::new();
@@ -38,28 +39,4 @@ fn entry(out: &mut Vec<u8>, body: &[u8]) {
     out.extend_from_slice(&len.to_le_bytes());
     out.extend_from_slice(body);
     out.resize(out.len() + padded - body.len(), 0);
-}
-
-fn uleb(out: &mut Vec<u8>, mut v: u64) {
-    loop {
-        let byte = (v & 0x7f) as u8;
-        v >>= 7;
-        if v == 0 {
-            out.push(byte);
-            return;
-        }
-        out.push(byte | 0x80);
-    }
-}
-
-fn sleb(out: &mut Vec<u8>, mut v: i64) {
-    loop {
-        let byte = (v & 0x7f) as u8;
-        v >>= 7;
-        let done = (v == 0 && byte & 0x40 == 0) || (v == -1 && byte & 0x40 != 0);
-        out.push(if done { byte } else { byte | 0x80 });
-        if done {
-            return;
-        }
-    }
 }
