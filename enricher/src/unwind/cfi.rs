@@ -11,7 +11,8 @@
 //! machine, against tables earlier builds cached, on synthetic sections and by fuzzing.
 
 use gimli::{
-    CallFrameInstruction as I, CallFrameInstructionIter, Reader, Register, UnwindExpression,
+    CallFrameInstruction as I, CallFrameInstructionIter, EndianSlice, LittleEndian, Reader,
+    Register, UnwindExpression,
 };
 
 /// x86_64 DWARF registers kept.
@@ -150,7 +151,7 @@ pub(super) fn program<'a>(section: &'a [u8], offset: usize, cie: &Cie) -> Option
     })
 }
 
-impl Program<'_> {
+impl<'a> Program<'a> {
     fn byte(&mut self) -> Result<u8, Bail> {
         let b = *self.bytes.first().ok_or(Bail)?;
         self.bytes = &self.bytes[1..];
@@ -165,34 +166,28 @@ impl Program<'_> {
         Ok(*head)
     }
 
-    /// An unsigned LEB128 of at most 9 bytes (63 bits): longer ones, which gimli reads
-    /// with checks of their own, bail.
-    fn uleb(&mut self) -> Result<u64, Bail> {
-        let mut v = 0;
-        for shift in (0..63).step_by(7) {
-            let b = self.byte()?;
-            v |= u64::from(b & 0x7f) << shift;
-            if b & 0x80 == 0 {
-                return Ok(v);
-            }
-        }
-        Err(Bail)
+    /// A LEB128 read by gimli's own decoder, so that what decodes and what fails are
+    /// exactly as in gimli's walk.
+    #[inline(always)]
+    fn leb<T>(
+        &mut self,
+        read: impl FnOnce(&mut EndianSlice<'a, LittleEndian>) -> gimli::Result<T>,
+    ) -> Result<T, Bail> {
+        let mut r = EndianSlice::new(self.bytes, LittleEndian);
+        let v = read(&mut r).map_err(|_| Bail)?;
+        self.at += self.bytes.len() - r.len();
+        self.bytes = r.slice();
+        Ok(v)
     }
 
-    /// A signed LEB128 of at most 9 bytes.
+    #[inline(always)]
+    fn uleb(&mut self) -> Result<u64, Bail> {
+        self.leb(gimli::leb128::read::unsigned)
+    }
+
+    #[inline(always)]
     fn sleb(&mut self) -> Result<i64, Bail> {
-        let mut v = 0i64;
-        for shift in (0..63).step_by(7) {
-            let b = self.byte()?;
-            v |= i64::from(b & 0x7f) << shift;
-            if b & 0x80 == 0 {
-                if b & 0x40 != 0 {
-                    v |= -1i64 << (shift + 7);
-                }
-                return Ok(v);
-            }
-        }
-        Err(Bail)
+        self.leb(gimli::leb128::read::signed)
     }
 
     fn register(&mut self) -> Result<Register, Bail> {
