@@ -7,6 +7,7 @@ mod client;
 mod confine;
 mod credentials;
 mod enrich;
+mod gzip;
 mod heap;
 mod labels;
 mod metrics;

@@ -2,7 +2,6 @@
 //! the types the `pprof` crate generates, so the tree has one prost).
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::sync::Arc;
 
 use crate::model::{Frame, LabelSet, MappingSpec, StackSample};
@@ -284,13 +283,7 @@ impl Builder {
 
 /// pprof bytes, gzip-compressed (what `go tool pprof` and Parca read).
 pub fn encode_gz(p: &Profile) -> std::io::Result<Vec<u8>> {
-    let raw = p.encode_to_vec();
-    let mut gz = flate2::write::GzEncoder::new(
-        Vec::with_capacity(raw.len() / 3),
-        flate2::Compression::fast(),
-    );
-    gz.write_all(&raw)?;
-    gz.finish()
+    crate::gzip::compress(&p.encode_to_vec())
 }
 
 /// Total samples (first value) of a profile.
