@@ -3,11 +3,15 @@
 //! A new deflate state allocates and zeroes ~300 KiB of tables: about 100 µs in a
 //! warm loop, several times the compression of a round's small profile (a 2 KB one:
 //! 122 µs fresh against 24 µs reused), and more in the enricher, whose heap gives freed
-//! memory back (heap.rs), so that each new state is also ~75 fresh pages. One state a
-//! thread stays resident instead (the event loop's, and a view query's thread's). flate2's `GzEncoder` cannot be reset, so the ten-byte
-//! header and eight-byte trailer are written here around flate2's raw deflate stream:
-//! `GzEncoder`'s header and trailer (with `Compression::fast()`), and for an input
-//! compressed in one call its very bytes.
+//! memory back (heap.rs), so that each new state is also ~75 fresh pages. So each
+//! thread that encodes keeps one: the event loop for the profiles it writes, and the
+//! view's blocking threads for the downloads they build, while they live (tokio ends an
+//! idle one after 10 s, and its state with it).
+//!
+//! flate2's `GzEncoder` cannot be reset, so the ten-byte header and eight-byte trailer
+//! are written here around flate2's raw deflate stream: `GzEncoder`'s header and
+//! trailer (with `Compression::fast()`), and for an input compressed in one call its
+//! very bytes.
 
 use std::cell::RefCell;
 
