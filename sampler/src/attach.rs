@@ -6,12 +6,25 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 
 use crate::counters::Counters;
+use crate::cpus::{online_cpus, possible_cpus};
+use crate::unwind::epoch::ProcEpoch;
 use crate::unwind::{Limits, Unwind};
+
+use firn_sampler_bpf::types::bss as Globals;
+// The globals every sample reads lie on the first cache line of .bss, whose value is
+// page-aligned (profile.bpf.c declares them together, first).
+const _: () = {
+    assert!(std::mem::offset_of!(Globals, cgroup_epoch) < 64);
+    assert!(std::mem::offset_of!(Globals, proc_epoch) < 64);
+    assert!(std::mem::offset_of!(Globals, active_set) < 64);
+    assert!(std::mem::offset_of!(Globals, set_epoch) < 64);
+    assert!(std::mem::offset_of!(Globals, hash_seed) + 8 <= 64);
+};
 
 use firn_sampler_bpf::{ProfileSkel, ProfileSkelBuilder};
 use libbpf_rs::libbpf_sys;
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::Link;
+use libbpf_rs::{Link, MapCore};
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AttachError {
@@ -20,8 +33,8 @@ pub(crate) enum AttachError {
          (/sys/kernel/btf/vmlinux) and CAP_BPF + CAP_PERFMON (or root)"
     )]
     Load(#[source] libbpf_rs::Error),
-    #[error("reading the online CPU list /sys/devices/system/cpu/online: {0}")]
-    CpuList(std::io::Error),
+    #[error("reading the CPU list /sys/devices/system/cpu/{0}: {1}")]
+    CpuList(&'static str, std::io::Error),
     #[error(
         "perf_event_open(cpu-clock, cpu {cpu}) was refused ({errno}); \
          kernel.perf_event_paranoid is {paranoid}: run as root or grant CAP_PERFMON"
@@ -45,6 +58,8 @@ pub(crate) enum AttachError {
     },
     #[error("setting up the process event ring buffer ({kib} KiB): {source}")]
     Events { kib: u32, source: libbpf_rs::Error },
+    #[error("the program's globals (.bss) are not mapped{}", .0.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
+    Globals(Option<crate::unwind::epoch::EpochError>),
     #[error("no randomness for the user-stack hash seed: {0}")]
     Seed(std::io::Error),
     #[error("sizing the unwind row pool ({rows} rows): {source}")]
@@ -289,7 +304,10 @@ pub(crate) fn load_and_attach(
         .open(storage)
         .map_err(AttachError::Load)?;
     // CPUs that may come online later are not sampled (the sampler exits then).
-    let ncpus = online_cpus().map_err(AttachError::CpuList)?.len().max(1);
+    let ncpus = online_cpus()
+        .map_err(|e| AttachError::CpuList("online", e))?
+        .len()
+        .max(1);
     let events_kib =
         events_kib.unwrap_or_else(|| events_kib_for(frequency, off_cpu.map(|o| o.rate), ncpus));
     open.maps
@@ -305,10 +323,21 @@ pub(crate) fn load_and_attach(
         .rows
         .set_max_entries(pool)
         .map_err(|source| AttachError::Rows { rows: pool, source })?;
-    // The user-stack hash's seed: unknown to any local user, so none can craft frames
-    // whose stack takes the key of another process's stack (read-only once loaded).
+    // The stack hashes' seed: unknown to any local user, so none can craft frames whose
+    // stack takes the key of another process's stack. In .bss, beside the globals every
+    // sample reads (one cache line); no program writes it.
+    open.maps
+        .bss_data
+        .as_deref_mut()
+        .ok_or(AttachError::Globals(None))?
+        .hash_seed = random_seed().map_err(AttachError::Seed)?;
+    // One walk state per possible CPU, indexed by CPU number.
+    let possible = possible_cpus().map_err(|e| AttachError::CpuList("possible", e))?;
+    open.maps
+        .scratch
+        .set_max_entries(possible)
+        .map_err(AttachError::Load)?;
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
-        ro.hash_seed = random_seed().map_err(AttachError::Seed)?;
         if let Some(o) = off_cpu {
             ro.off_cpu_min_ns = o.min_ns;
             ro.off_cpu_every = o.every.max(1);
@@ -352,8 +381,13 @@ pub(crate) fn load_and_attach(
             dup(&skel.maps.pyprocs)?,
             dup(&skel.maps.pyseen)?,
             dup(&skel.maps.pyepoch)?,
-            dup(&skel.maps.procepoch)?,
         ),
+        ProcEpoch::map(
+            skel.maps.bss.as_fd(),
+            skel.maps.bss.value_size() as usize,
+            std::mem::offset_of!(Globals, proc_epoch),
+        )
+        .map_err(|e| AttachError::Globals(Some(e)))?,
         limits,
         counters.clone(),
     );
@@ -384,7 +418,7 @@ pub(crate) fn load_and_attach(
             source,
         })?;
 
-    let cpus = online_cpus().map_err(AttachError::CpuList)?;
+    let cpus = online_cpus().map_err(|e| AttachError::CpuList("online", e))?;
     let mut links = Vec::with_capacity(cpus.len());
     for &cpu in &cpus {
         let fd = open_cpu_clock(cpu, frequency)?;
@@ -461,87 +495,8 @@ fn open_cpu_clock(cpu: u32, frequency: u32) -> Result<RawFd, AttachError> {
     Ok(ret as RawFd)
 }
 
-pub(crate) fn online_cpus() -> std::io::Result<Vec<u32>> {
-    let text = read_sysfs("/sys/devices/system/cpu/online")?;
-    parse_cpu_list(&text).ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("unexpected CPU list {text:?}"),
-        )
-    })
-}
-
-/// A small sysfs file in one read (sysfs hands its whole text to the first read): open,
-/// read, close each round, where `read_to_string` adds a stat and a read that returns
-/// nothing.
-fn read_sysfs(path: &str) -> std::io::Result<String> {
-    let f = std::fs::File::open(path)?;
-    let buf = crate::procfs::read_short(&f, 1 << 16).map_err(std::io::Error::from)?;
-    String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
-}
-
-/// An online CPU the program does not sample: one that came online after setup, or an
-/// attached one that was seen offline since (`gone`). Taking a CPU offline ends its
-/// perf event for good, and a confined sampler cannot open a new one. (Sample counts
-/// cannot tell: an idle CPU may take no sample for whole rounds.)
-pub(crate) fn unsampled_cpu(attached: &[u32], online: &[u32], gone: &[u32]) -> Option<u32> {
-    online
-        .iter()
-        .copied()
-        .find(|cpu| !attached.contains(cpu) || gone.contains(cpu))
-}
-
-/// Parses the kernel's CPU list format, e.g. `0-3,5,7-8`.
-fn parse_cpu_list(text: &str) -> Option<Vec<u32>> {
-    let mut cpus = Vec::new();
-    for part in text.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (u32, u32) = (a.parse().ok()?, b.parse().ok()?);
-                if b < a || b - a > 65_536 {
-                    return None;
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.parse().ok()?),
-        }
-    }
-    Some(cpus)
-}
-
 #[cfg(test)]
 mod tests {
-    #[test]
-    fn a_sysfs_file_in_one_read_reads_as_a_whole() {
-        let path = "/sys/devices/system/cpu/online";
-        let whole = std::fs::read_to_string(path).expect("the online CPU list");
-        assert_eq!(super::read_sysfs(path).expect("read"), whole);
-        // A longer text, in seq_file's records: read on until the end.
-        let status = super::read_sysfs("/proc/self/status").expect("status");
-        assert!(
-            status.len() > 256 && status.starts_with("Name:"),
-            "{status}"
-        );
-        assert!(status.contains("\nThreads:"), "{status}");
-        assert!(super::read_sysfs("/sys/no/such/file").is_err());
-    }
-
-    #[test]
-    fn a_cpu_back_from_offline_is_noticed() {
-        use super::unsampled_cpu as u;
-        assert_eq!(u(&[0, 1], &[0, 1], &[]), None);
-        assert_eq!(u(&[0, 1], &[0], &[1]), None, "offline: nothing to do yet");
-        assert_eq!(u(&[0, 1], &[0, 1], &[1]), Some(1), "back from offline");
-        assert_eq!(u(&[0], &[0, 1], &[]), Some(1), "online after setup");
-    }
-
-    #[test]
-    fn cpu_lists() {
-        assert_eq!(super::parse_cpu_list("0-1\n"), Some(vec![0, 1]));
-        assert_eq!(super::parse_cpu_list("0,2-3,5"), Some(vec![0, 2, 3, 5]));
-        assert_eq!(super::parse_cpu_list("3-1"), None);
-    }
-
     #[test]
     fn per_round_maps_follow_the_sampling_rate() {
         use super::round_entries as r;

@@ -8,6 +8,7 @@ mod broker;
 mod cgroups;
 mod cli;
 mod counters;
+mod cpus;
 mod drain;
 mod drop;
 mod events;

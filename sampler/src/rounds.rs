@@ -331,7 +331,7 @@ impl Rounds {
                 self.offline.push(cpu);
             }
         }
-        if let Some(cpu) = crate::attach::unsampled_cpu(sampled, online, &self.offline) {
+        if let Some(cpu) = crate::cpus::unsampled_cpu(sampled, online, &self.offline) {
             bump(&c.cpus_unsampled);
             // Logged once, by main, as the reason for exiting.
             return Err(CpuHotplug(cpu));

@@ -9,7 +9,7 @@ use tokio::io::unix::AsyncFd;
 
 use tokio::signal::unix::Signal;
 
-use crate::attach::{self, Sampling};
+use crate::attach::Sampling;
 use crate::counters::bump;
 use crate::drain;
 use crate::kallsyms::Kallsyms;
@@ -115,7 +115,7 @@ pub(crate) async fn run_rounds(
         take_events(sampling, &mut rounds, &shared);
         let retired = rounds.flip(sampling, firn_schema::now_ns());
         tokio::time::sleep(drain::GRACE).await;
-        let online = attach::online_cpus().ok();
+        let online = crate::cpus::online_cpus().ok();
         let done = rounds.finish(
             sampling,
             retired,

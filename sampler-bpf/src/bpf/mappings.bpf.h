@@ -160,7 +160,7 @@ _Static_assert(FIRN_ROW_MEMO == 64, "row_memo_slot keeps 6 bits");
 
 /* The row for `pc`, which lies in the cached mapping, or why there is none. An offset
  * this CPU looked up lately in the same table is answered from its memo of rows (what
- * the search below gave then, under the same procepoch). Else the search starts from
+ * the search below gave then, under the same proc_epoch). Else the search starts from
  * the rows of the offset's page (the directory after the table's rows, built by the
  * sampler: the last row at or below the page's start, the first at or past its end), so
  * a frame reads a few rows of one or two cache lines, not 15-20 scattered over the

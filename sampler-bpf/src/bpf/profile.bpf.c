@@ -73,19 +73,28 @@ struct {
 	__type(value, struct firn_seen);
 } seen SEC(".maps");
 
-/* Moved by the sampler after it deletes from `seen` or changes `pyprocs`, `procmaps` or
- * `tables`: a CPU's memos of the process it sampled last (key_of) and of the mappings it
- * resolved (mappings.bpf.h) hold only under the value they were made in. */
-struct {
-	__uint(type, BPF_MAP_TYPE_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, __u64);
-} procepoch SEC(".maps");
+/* The program's globals, in .bss: an mmapable array whose value is page-aligned, so
+ * the five below share one cache line (every sample reads them, each cold again at
+ * 99 Hz). Declared together and in this order so that they are laid out so; the sampler
+ * asserts it (attach.rs). */
 
 /* Moved by every CPU that tells the sampler of a process's new cgroup: another CPU's
  * memo of that process then no longer holds (it may have moved back meanwhile). */
 volatile __u32 cgroup_epoch = 0;
+/* Moved by the sampler (a store through its own mapping of .bss) after it deletes from
+ * `seen` or changes `pyprocs`, `procmaps` or `tables`: a CPU's memos of the process it
+ * sampled last (key_of) and of the mappings and rows it resolved (mappings.bpf.h) hold
+ * only under the value they were made in. */
+volatile __u32 proc_epoch = 0;
+/* Written by the sampler through the mmapped .bss; read once per sample. */
+volatile __u32 active_set = 0;
+/* Counts the flips (the sampler adds one with each): a wait off CPU tells by it whether
+ * the set its stacks went to is still the one it began in, not drained since. */
+volatile __u32 set_epoch = 0;
+/* Written by the sampler before load (random), never by a program: user and kernel
+ * stacks are keyed by a hash no local user can predict, so none can craft frames that
+ * take another stack's key. Only the holder of the map's fd (the sampler) can read it. */
+volatile __u64 hash_seed = 0;
 
 /* A process asks for its mappings to be read again at most this often. A JIT whose
  * code regions come and go asks too; the sampler backs off from a process whose reads
@@ -104,12 +113,6 @@ struct {
 	__type(key, __u32);
 	__type(value, __u64);
 } counters SEC(".maps");
-
-/* Written by the sampler through the mmapped .bss; read once per sample. */
-volatile __u32 active_set = 0;
-/* Counts the flips (the sampler adds one with each): a wait off CPU tells by it whether
- * the set its stacks went to is still the one it began in, not drained since. */
-volatile __u32 set_epoch = 0;
 
 /* Only to make the key and counter types visible in the skeleton's BTF, so that the
  * sampler's Rust types are generated from this header. */
@@ -253,12 +256,12 @@ static __always_inline void kernel_stack(void *ctx, __u32 set, __u64 skip,
 					 struct firn_sample_key *key)
 {
 	struct firn_unwind_state *st;
-	__u32 zero = 0, i, len;
+	__u32 cpu, i, len;
 	void *kstacks;
 	long n;
 	__u64 h;
 
-	st = bpf_map_lookup_elem(&scratch, &zero);
+	st = walk_state(&cpu);
 	if (!st) {
 		key->kern_status = -FIRN_EFAULT;
 		return;
@@ -333,8 +336,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	struct firn_unwind_state *st;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
-	__u32 zero = 0;
-	__u64 *epoch;
+	__u32 cpu;
 
 	/* BTF-typed: its fields are plain loads (the JIT guards them), not a helper call
 	 * each as bpf_probe_read_kernel would be. */
@@ -348,10 +350,9 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	bpf_get_current_comm(&key->comm, sizeof(key->comm));
 	key->cgroup_id = bpf_get_current_cgroup_id();
 
-	st = bpf_map_lookup_elem(&scratch, &zero);
-	epoch = bpf_map_lookup_elem(&procepoch, &zero);
-	if (!st || !epoch) {
-		/* Never: both are arrays of one entry. */
+	st = walk_state(&cpu);
+	if (!st) {
+		/* Never: the array has an entry for every possible CPU. */
 		key->user_status = -FIRN_EFAULT;
 		key->kern_status = -FIRN_EFAULT;
 		return;
@@ -363,7 +364,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	pid.start_ns = key->start_ns;
 	fresh.cgroup_id = key->cgroup_id;
 	/* Read before the lookups: a change the sampler makes after them moves it. */
-	st->epochs = *epoch << 32 | cgroup_epoch;
+	st->epochs = (__u64)proc_epoch << 32 | cgroup_epoch;
 	st->announced = 0;
 	st->py_checked = FIRN_PY_UNCHECKED;
 	if (st->last_tgid == key->tgid && st->last_exec_id == key->exec_id &&
@@ -405,7 +406,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		/* Off CPU: the stack starts in this program and bpf_trace_run4; skipped. */
 		kernel_stack(ctx, set, kind == FIRN_KIND_OFF_CPU ? 2 : 0, key);
 	/* Looked up again: kept across the walk, the pointer would cost verifier states. */
-	st = bpf_map_lookup_elem(&scratch, &zero);
+	st = walk_state(&cpu);
 	if (!st)
 		return;
 	if (st->announced && st->py_checked == FIRN_PY_NATIVE) {

@@ -14,7 +14,7 @@
 //! say. Tables last while the subscription that sent them does.
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 
 use firn_sampler_bpf::types::{firn_cfa_kind as Cfa, firn_rbp_kind as Rbp};
@@ -25,6 +25,7 @@ use crate::counters::{add, bump, Counters};
 use crate::procfs::{Mapping, ProcessRecord};
 
 pub(crate) mod ends;
+pub(crate) mod epoch;
 pub mod pages;
 pub(crate) mod python;
 mod rows;
@@ -96,8 +97,8 @@ struct Maps {
     rows: OwnedFd,
     tables: OwnedFd,
     procmaps: OwnedFd,
-    /// `procepoch`: see [`Unwind::processes_changed`].
-    epoch: OwnedFd,
+    /// `proc_epoch`: see [`Unwind::processes_changed`].
+    epoch: epoch::ProcEpoch,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -151,10 +152,11 @@ pub struct Unwind {
 
 impl Unwind {
     /// Takes the maps' fds (duplicated before confinement): rows, tables and procmaps,
-    /// and the Python walk's pyprocs, pyseen, pyepoch and procepoch.
+    /// and the Python walk's pyprocs, pyseen and pyepoch; and the mapping of proc_epoch.
     pub(crate) fn new(
         (rows, tables, procmaps): (OwnedFd, OwnedFd, OwnedFd),
-        (pyprocs, pyseen, pyepoch, procepoch): (OwnedFd, OwnedFd, OwnedFd, OwnedFd),
+        (pyprocs, pyseen, pyepoch): (OwnedFd, OwnedFd, OwnedFd),
+        proc_epoch: epoch::ProcEpoch,
         limits: Limits,
         counters: Rc<Counters>,
     ) -> Self {
@@ -163,7 +165,7 @@ impl Unwind {
                 rows,
                 tables,
                 procmaps,
-                epoch: procepoch,
+                epoch: proc_epoch,
             }),
             limits,
             pool: Pool::new(limits.pool_rows),
@@ -184,7 +186,7 @@ impl Unwind {
     /// up again. Called after the change, and before a released row run is reused.
     pub(crate) fn processes_changed(&self) {
         if let Some(m) = &self.maps {
-            python::bump_epoch(m.epoch.as_fd());
+            m.epoch.bump();
         }
     }
 

@@ -183,7 +183,7 @@ pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), Ta
     unsafe { munmap(window, len) }.map_err(|e| TableError::Map(-(e as i32)))
 }
 
-fn page_size() -> usize {
+pub(super) fn page_size() -> usize {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()
         .flatten()
