@@ -33,6 +33,19 @@ def paired_ratios(pairs):
     return out
 
 
+def ratio_mean(ratios):
+    """(geometric mean, its standard error as a factor, n) of ratios: the mean of their
+    logarithms, so 0.5 and 2 cancel; the factor f says the mean is within ×/÷ f at one
+    standard error. None when fewer than two usable ratios."""
+    logs = [math.log(r) for r in ratios if r and r > 0 and not math.isnan(r) and not math.isinf(r)]
+    n = len(logs)
+    if n < 2:
+        return None
+    m = sum(logs) / n
+    sd = math.sqrt(sum((x - m) ** 2 for x in logs) / (n - 1))
+    return math.exp(m), math.exp(sd / math.sqrt(n)), n
+
+
 def expected_samples(hz, seconds, cpus):
     return hz * seconds * cpus
 

@@ -9,13 +9,23 @@ the sampling window; a run is one sample.
       [--hz 99,999] [--runs 3] [--seconds 15]
 
 Prints, per workload and frequency, the median (min-max) of A and of B and B/A.
+  sudo python3 tests/bench/sampler_ab.py --a A --b B --hz 99 --runs 16 --seconds 12 --together --beat 2
 
 With --together both samplers run at once over the same workload (each with its own
 enricher and HTTP port; the one started first alternates), so a run's two figures share
 the machine's state of that moment: on a VM whose per-sample cost drifts by 2x between
 runs, the ratio within a run is steadier than the ratio of two runs. Each sampler's
 programs are told apart by its pid; the two only share the workload's lines and the
-kernel's helper code, and which one's timer fires first in a period is random per run."""
+kernel's helper code, and which one's timer fires first in a period is random per run.
+
+That order is a bias of its own: the sampler whose timer fires just after the other's
+finds the task's and the stack's lines warm, and at one rate the two keep their phase
+for the whole run, so a run's ratio leans by where the phases fell (an A/A run spread
+0.76-1.27 on this VM). With --beat D one of the two samples at Hz - D, so their phases
+slide through each other D times a second and every run averages over all of them; which
+binary gets the lower rate alternates every other run, as does the start order (use a
+multiple of 4 runs). The table then adds the geometric mean of the within-run ratios
+with its standard error as a factor (×/÷)."""
 import argparse
 import os
 import subprocess
@@ -43,11 +53,12 @@ def one(binary, hz, exe, seconds):
     return (ns1 - ns0) / max(1, cnt1 - cnt0)
 
 
-def together(first, second, hz, exe, seconds):
-    """One run of both samplers at once: (ns/sample of first, of second)."""
+def together(first, second, rates, exe, seconds):
+    """One run of both samplers at once, at `rates` (first's, second's): (ns/sample of
+    first, of second)."""
     runs = []
     try:
-        for i, binary in enumerate((first, second)):
+        for i, (binary, hz) in enumerate(zip((first, second), rates)):
             pr.HTTP = f"127.0.0.1:{17999 - i}"
             f = pr.Firn(2)
             runs.append(f)
@@ -78,7 +89,12 @@ def main():
     ap.add_argument("--skip-build", action="store_true", help="take the workspace binaries as built")
     ap.add_argument("--together", action="store_true",
                     help="run A and B at once in each run (the ratio is then taken within each run)")
+    ap.add_argument("--beat", type=int, default=0,
+                    help="with --together: one sampler at Hz minus this (alternating which), so the two "
+                         "timers' phases slide through each other within every run")
     args = ap.parse_args()
+    if args.beat and not args.together:
+        sys.exit("sampler_ab.py: --beat needs --together")
     if os.geteuid() != 0:
         sys.exit("sampler_ab.py: run as root (the sampler loads BPF)")
     out = fb.build_all(args.skip_build)
@@ -92,11 +108,13 @@ def main():
                 a, b, ratios = [], [], []
                 for run in range(args.runs):
                     if args.together:
-                        # The one started first alternates from run to run.
+                        # The one started first alternates from run to run, the one at the
+                        # lower rate (--beat) every other run.
+                        ra, rb = (hz, hz - args.beat) if (run // 2) % 2 == 0 else (hz - args.beat, hz)
                         if run % 2 == 0:
-                            x, y = together(args.a, args.b, hz, exe, args.seconds)
+                            x, y = together(args.a, args.b, (ra, rb), exe, args.seconds)
                         else:
-                            y, x = together(args.b, args.a, hz, exe, args.seconds)
+                            y, x = together(args.b, args.a, (rb, ra), exe, args.seconds)
                         a.append(x)
                         b.append(y)
                         ratios.append(y / x)
@@ -108,6 +126,9 @@ def main():
                 if ratios:
                     mr, lr, hr = bl.med(ratios)
                     ratio = f"{mr:.2f} ({lr:.2f}–{hr:.2f}, within runs)"
+                    gm = bl.ratio_mean(ratios)
+                    if gm:
+                        ratio += f"; geometric mean {gm[0]:.3f} ×/÷ {gm[1]:.3f} (1 SE, {gm[2]} runs)"
                 print(f"| {name} | {hz} | {ma:,.0f} ({la:,.0f}–{ha:,.0f}) | {mb:,.0f} ({lb:,.0f}–{hb:,.0f}) "
                       f"| {ratio} |", flush=True)
     finally:

@@ -123,5 +123,23 @@ class PairedRatios(unittest.TestCase):
         self.assertEqual(b.paired_ratios([(1.0, 0), (1.0, None), (math.nan, 2.0), (1.0, 2.0)]), [0.5])
 
 
+class RatioMean(unittest.TestCase):
+    def test_inverse_ratios_cancel(self):
+        gm, f, n = b.ratio_mean([0.5, 2.0])
+        self.assertAlmostEqual(gm, 1.0)
+        self.assertEqual(n, 2)
+        # sd of the logs is ln 2 * sqrt(2); over sqrt(2): ln 2, so a factor of 2.
+        self.assertAlmostEqual(f, 2.0)
+
+    def test_equal_ratios_have_no_spread(self):
+        gm, f, _ = b.ratio_mean([0.9, 0.9, 0.9])
+        self.assertAlmostEqual(gm, 0.9)
+        self.assertAlmostEqual(f, 1.0)
+
+    def test_unusable_ratios_are_left_out(self):
+        self.assertIsNone(b.ratio_mean([1.0, math.nan, 0, -1, math.inf]))
+        self.assertIsNone(b.ratio_mean([]))
+
+
 if __name__ == "__main__":
     unittest.main()
