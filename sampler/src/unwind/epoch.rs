@@ -53,8 +53,8 @@ impl ProcEpoch {
 
     /// Moves the epoch by one. Called after the map changes it stands for (the map
     /// commands have returned): a sample that reads the new value does its lookups after
-    /// the changes; one that read the old value made its memos before this store, and
-    /// they no longer match. SeqCst orders the store after everything before it.
+    /// the changes; one that read the old value tags its memos with that value, so no
+    /// later sample takes them. SeqCst orders the store after everything before it.
     pub(crate) fn bump(&self) {
         // SAFETY: `offset + 4 <= len` and 4-aligned (checked in `map`; the mapping is
         // page-aligned); the word stays mapped while `self` lives, and is only ever
