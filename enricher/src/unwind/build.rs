@@ -10,7 +10,8 @@ use std::collections::HashMap;
 
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EhFrameHdr, EndianSlice, LittleEndian,
-    Register, RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection, UnwindTableRow,
+    Reader, Register, RegisterRule, UnwindContext, UnwindContextStorage, UnwindSection,
+    UnwindTableRow,
 };
 use object::elf;
 use object::read::elf::{ElfFile64, FileHeader, ProgramHeader};
@@ -41,6 +42,11 @@ pub enum BuildError {
     NoCfi,
     #[error("the call frame information is malformed: {0}")]
     Cfi(#[from] gimli::Error),
+    /// gimli names where it ran out by the reader's address, which differs between two
+    /// builds of one file whenever the section is a copy (`.debug_frame`): the offset
+    /// in the section says where, and the same each time.
+    #[error("the call frame information ends early, at byte {0} of its section")]
+    CfiEnds(usize),
     #[error("a compressed .debug_frame could not be inflated")]
     Inflate,
     #[error("no executable segment")]
@@ -180,6 +186,16 @@ pub fn build_with(data: &[u8], walk: Walk) -> Result<Table, BuildError> {
         return rows_of(&section, &bases, &segments, Source::DebugFrame, walk);
     }
     Err(BuildError::NoCfi)
+}
+
+/// A CFI error with an early end named by its offset in `section`.
+fn located(section: &R<'_>, e: gimli::Error) -> BuildError {
+    match e {
+        gimli::Error::UnexpectedEof(id) => section
+            .lookup_offset_id(id)
+            .map_or(BuildError::Cfi(e), BuildError::CfiEnds),
+        e => BuildError::Cfi(e),
+    }
 }
 
 /// The bytes from `addr` to the end of the loaded segment holding it.
@@ -373,7 +389,7 @@ where
         |e: gimli::UnwindExpression<usize>| e.get(section).ok().and_then(|e| is_plt(e.0.slice()));
     let (mut fdes, mut fallback) = (0, 0);
     let mut entries = section.entries(bases);
-    while let Some(entry) = entries.next()? {
+    while let Some(entry) = entries.next().map_err(|e| located(section.section(), e))? {
         let CieOrFde::Fde(partial) = entry else {
             continue;
         };
@@ -524,6 +540,17 @@ mod tests {
                 t.rows.iter().any(|r| r.rbp == k::RBP_AT_CFA),
                 "{path}: saved rbp"
             );
+        }
+    }
+
+    #[test]
+    fn an_early_end_is_named_by_its_offset_in_the_section() {
+        // A CIE that says 16 bytes follow, and 4 do: two copies in two allocations
+        // give the same error (the fuzz target compares two builds' errors).
+        let cut = [16u8, 0, 0, 0, 0, 0, 0, 0];
+        for walk in [Walk::Fast, Walk::Gimli] {
+            let e = rows_of_eh_frame(&cut.to_vec(), walk).err();
+            assert!(matches!(e, Some(BuildError::CfiEnds(4..=8))), "{e:?}");
         }
     }
 
