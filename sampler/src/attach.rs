@@ -11,6 +11,11 @@ use crate::unwind::epoch::ProcEpoch;
 use crate::unwind::{Limits, Unwind};
 
 use firn_sampler_bpf::types::bss as Globals;
+use firn_sampler_bpf::{ProfileSkel, ProfileSkelBuilder};
+use libbpf_rs::libbpf_sys;
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapCore};
+
 // The globals every sample reads lie on the first cache line of .bss, whose value is
 // page-aligned (profile.bpf.c declares them together, first).
 const _: () = {
@@ -20,11 +25,6 @@ const _: () = {
     assert!(std::mem::offset_of!(Globals, set_epoch) < 64);
     assert!(std::mem::offset_of!(Globals, hash_seed) + 8 <= 64);
 };
-
-use firn_sampler_bpf::{ProfileSkel, ProfileSkelBuilder};
-use libbpf_rs::libbpf_sys;
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
-use libbpf_rs::{Link, MapCore};
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum AttachError {

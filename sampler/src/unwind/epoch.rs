@@ -9,7 +9,7 @@ use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+use nix::sys::mman::munmap;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum EpochError {
@@ -35,19 +35,8 @@ impl ProcEpoch {
         let len = size.div_ceil(super::rows::page_size()) * super::rows::page_size();
         let nonzero =
             std::num::NonZeroUsize::new(len).ok_or(EpochError::Outside { offset, size })?;
-        // SAFETY: a fresh shared mapping of the map's value, which Rust never refers to
-        // except through the atomic in `bump`, within `len`.
-        let map = unsafe {
-            mmap(
-                None,
-                nonzero,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED,
-                fd,
-                0,
-            )
-        }
-        .map_err(EpochError::Map)?;
+        // Rust refers to the word only through the atomic in `bump`.
+        let map = super::rows::map_shared(fd, nonzero, 0).map_err(EpochError::Map)?;
         Ok(Self { map, len, offset })
     }
 

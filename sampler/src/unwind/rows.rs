@@ -2,7 +2,7 @@
 
 use firn_schema::unwind_row::{self as row_kinds, Row};
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 
 use super::ROW_BYTES;
 
@@ -145,7 +145,7 @@ impl Pool {
 /// pool). The array is mmapable (`BPF_F_MMAPABLE`): its values lie back to back, 8 bytes
 /// each, as the program reads them. The rows were checked before they come here.
 pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), TableError> {
-    use nix::sys::mman::{mmap, munmap, MapFlags, ProtFlags};
+    use nix::sys::mman::munmap;
     if bytes.is_empty() {
         return Ok(());
     }
@@ -156,20 +156,10 @@ pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), Ta
     let (Some(nonzero), Ok(off)) = (std::num::NonZeroUsize::new(len), i64::try_from(offset)) else {
         return Err(TableError::Map(-libc::EINVAL));
     };
-    // SAFETY: a fresh shared mapping of the array's pages, never aliased by Rust
-    // references; only its bytes from `start - offset` on are written, within `len`
-    // (the pool's runs lie inside the array, so the kernel refuses nothing in range).
-    let window = unsafe {
-        mmap(
-            None,
-            nonzero,
-            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-            MapFlags::MAP_SHARED,
-            rows,
-            off,
-        )
-    }
-    .map_err(|e| TableError::Map(-(e as i32)))?;
+    // Only the window's bytes from `start - offset` on are written, within `len` (the
+    // pool's runs lie inside the array, so the kernel refuses nothing in range).
+    let window =
+        map_shared(rows.as_fd(), nonzero, off).map_err(|e| TableError::Map(-(e as i32)))?;
     // SAFETY: the window is `len` bytes, writable; the copy's end `start - offset +
     // bytes.len()` is at most `len`, and `bytes` is not in the window.
     unsafe {
@@ -181,6 +171,29 @@ pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), Ta
     }
     // SAFETY: the window mapped above, `len` bytes; nothing refers to it after this.
     unsafe { munmap(window, len) }.map_err(|e| TableError::Map(-(e as i32)))
+}
+
+/// A fresh read-write shared mapping of `len` bytes of an mmapable map's value from
+/// `offset` (a multiple of the page size): how the sampler writes into maps the
+/// program reads, without a map command per element.
+pub(super) fn map_shared(
+    fd: std::os::fd::BorrowedFd<'_>,
+    len: std::num::NonZeroUsize,
+    offset: i64,
+) -> nix::Result<std::ptr::NonNull<std::ffi::c_void>> {
+    use nix::sys::mman::{mmap, MapFlags, ProtFlags};
+    // SAFETY: no address is asked for, so the mapping is new and overlaps nothing Rust
+    // refers to; callers reach it through raw pointers only, within `len`.
+    unsafe {
+        mmap(
+            None,
+            len,
+            ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+            MapFlags::MAP_SHARED,
+            fd,
+            offset,
+        )
+    }
 }
 
 pub(super) fn page_size() -> usize {
