@@ -101,6 +101,8 @@ pub(crate) struct Sampling {
     /// The program's count of Python code objects copied, when `pycode` was last
     /// drained: unmoved, there is nothing to take (a node without Python never walks it).
     py_code_copied: Option<u64>,
+    /// The sample log (none when not one page a CPU fits its bound).
+    log: Option<crate::sample_log::SampleLog>,
     counters: Rc<Counters>,
 }
 
@@ -135,7 +137,7 @@ impl crate::rounds::MapSets for Sampling {
                 maps.ustacks_1.as_fd(),
             )
         };
-        let mut d = crate::drain::drain([counts, off], stacks, ustacks)?;
+        let mut d = crate::drain::drain((self.log.as_ref(), set), [counts, off], stacks, ustacks)?;
         use firn_sampler_bpf::types::firn_counter as K;
         // Read before the drain: a code object copied after the read moves the count
         // again, and the next round takes it.
@@ -337,7 +339,15 @@ pub(crate) fn load_and_attach(
         .scratch
         .set_max_entries(possible)
         .map_err(AttachError::Load)?;
+    // The sample log: a run of slots per possible CPU and set.
+    let log_slots = crate::sample_log::run_slots(frequency, round_seconds, possible);
+    open.maps
+        .samples
+        .set_max_entries((2 * possible * log_slots).max(1))
+        .map_err(AttachError::Load)?;
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
+        ro.log_slots = log_slots;
+        ro.log_cpus = possible;
         if let Some(o) = off_cpu {
             ro.off_cpu_min_ns = o.min_ns;
             ro.off_cpu_every = o.every.max(1);
@@ -391,6 +401,15 @@ pub(crate) fn load_and_attach(
         limits,
         counters.clone(),
     );
+    let log = if log_slots > 0 {
+        Some(crate::sample_log::SampleLog::new(
+            dup(&skel.maps.samples)?,
+            possible,
+            log_slots,
+        ))
+    } else {
+        None
+    };
     let hooks = [
         skel.progs
             .firn_exec
@@ -443,6 +462,7 @@ pub(crate) fn load_and_attach(
         events,
         unwind: Rc::new(RefCell::new(unwind)),
         py_code_copied: None,
+        log,
         counters,
     })
 }

@@ -2,8 +2,9 @@
 //!
 //! The scheme (see `profile.bpf.c`): two map sets; the program writes the one named by
 //! `active_set`. The round flips it, waits [`GRACE`] so that no program run still
-//! writes the old set, then drains the old set here: counts by batched
-//! lookup-and-delete, then each referenced stack by lookup, then delete. A sample lands
+//! writes the old set, then drains the old set here: the sample log's half of the set
+//! through a mapping (`sample_log.rs`), counts by batched lookup-and-delete, then each
+//! referenced stack by lookup, then delete. A sample lands
 //! in exactly one set and is read exactly once. User stacks, unwound by the program
 //! itself, are in the set's ustacks map under a hash of their frames.
 
@@ -104,6 +105,8 @@ pub(crate) struct Drained {
     pub(crate) python_code: Vec<Vec<u8>>,
     /// Entries of the code map that could not be read out.
     pub(crate) python_code_failures: u64,
+    /// 1 when the sample log could not be mapped (its samples wait for the next drain).
+    pub(crate) sample_log_failures: u64,
 }
 
 fn parse_key(k: &[u8]) -> Option<RawSample> {
@@ -156,14 +159,27 @@ pub(crate) fn check_key_size(got: u32) -> Result<(), DrainError> {
     }
 }
 
-/// Empties both counts maps (samples, off-CPU waits: hashes of key → u64) and the
-/// stacks their keys refer to.
+/// Empties set `set`'s half of the sample log (if there is one), both counts maps
+/// (samples, off-CPU waits: hashes of key → u64) and the stacks their keys refer to.
 pub(crate) fn drain(
+    (log, set): (Option<&crate::sample_log::SampleLog>, u32),
     counts: [BorrowedFd<'_>; 2],
     kstacks: BorrowedFd<'_>,
     ustacks: BorrowedFd<'_>,
 ) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
+    if let Some(log) = log {
+        let taken = log.take(set, |k, n| {
+            if let Some(mut s) = parse_key(k) {
+                s.count = n;
+                out.samples.push(s);
+            }
+        });
+        if let Err(error) = taken {
+            tracing::warn!(%error, set, "the sample log's samples wait for the set's next drain");
+            out.sample_log_failures += 1;
+        }
+    }
     for c in counts {
         drain_counts(c, &mut out)?;
     }

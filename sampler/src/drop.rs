@@ -306,7 +306,7 @@ macro_rules! allow_list {
                     mask: libc::PROT_EXEC as u64,
                     what: "no `PROT_EXEC`",
                 },
-                "memory allocation, and the window unwind rows are copied in through; never executable memory"
+                "memory allocation, the windows unwind rows are copied in through and the drained half of the sample log; never executable memory"
             ),
             allow!(SYS_munmap, Check::Any, MEMORY),
             allow!(SYS_mremap, Check::Any, MEMORY),

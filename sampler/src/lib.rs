@@ -28,6 +28,7 @@ mod reading;
 mod rounds;
 mod rpc;
 mod run;
+mod sample_log;
 mod texts;
 mod trim;
 mod unwind;

@@ -109,6 +109,7 @@ fn bpf_counters(c: &Counters) -> Vec<(firn_counter, &Cell<u64>, Option<&'static 
             &c.bpf_counts_map_full,
             Some("bpf_counts_map_full"),
         ),
+        (K::FIRN_CTR_LOG_FULL, &c.bpf_sample_log_full, None),
         (K::FIRN_CTR_EVENTS, &c.bpf_events, None),
         (
             K::FIRN_CTR_EVENTS_LOST,
@@ -264,6 +265,7 @@ impl Rounds {
         };
         add(&c.stack_lookup_failures, drained.stack_lookup_failures);
         add(&c.python_code_drain_failures, drained.python_code_failures);
+        add(&c.sample_log_failures, drained.sample_log_failures);
         add(&c.python_code_forwarded, drained.python_code.len() as u64);
         if drained.stack_lookup_failures > 0 {
             tracing::warn!(

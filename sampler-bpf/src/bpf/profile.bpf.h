@@ -48,7 +48,9 @@ enum firn_counter {
 	FIRN_CTR_OFF_NS = 34,          /* off-CPU nanoseconds counted (weighted) */
 	FIRN_CTR_OFF_CROSSED = 35,     /* waits counted without stacks: they crossed a round */
 	FIRN_CTR_OFF_WEIGHT = 36,      /* switches the taken ones stand for (the sum of their N) */
-	FIRN_CTR_MAX = 37,
+	FIRN_CTR_LOG_FULL = 37,        /* samples whose CPU's run of the log was full (counted in
+					* counts_N instead) */
+	FIRN_CTR_MAX = 38,
 };
 
 /* Why the unwinder stopped. The last frame was walked with a table row, or (the
@@ -110,6 +112,13 @@ struct firn_sample_key {
 };
 
 _Static_assert(sizeof(struct firn_sample_key) == 64, "firn_sample_key is 64 bytes");
+
+/* A slot of the sample log (`samples` in profile.bpf.c): a key as taken, or free
+ * (tgid 0: no sample of tgid 0 is ever taken, the idle task is skipped). */
+union firn_log_slot {
+	struct firn_sample_key key;
+	__u8 line[64];
+};
 
 /* A user stack as the unwinder stores it: return addresses, innermost first, ended by 0
  * when shorter than FIRN_MAX_STACK_DEPTH. */

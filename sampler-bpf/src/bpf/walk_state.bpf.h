@@ -127,6 +127,8 @@ struct firn_unwind_state {
 	__u32 memo_next;
 	__u32 pad1;
 	__u64 row_memo_tag;
+	/* The slot after the one this CPU wrote last in each set's run of the log. */
+	__u32 log_next[2];
 	/* -- the stack, innermost first: a native stack's first frames follow -- */
 	struct firn_user_stack stack;
 	/* -- what some samples or frames touch -- */

@@ -31,6 +31,7 @@ pub(crate) mod python;
 mod rows;
 use rows::write_rows;
 pub use rows::{check_rows, check_rows_with, Pool, TableError};
+pub(crate) use rows::{map_shared, page_size};
 
 /// Bytes of one row on the wire and in the `rows` map.
 pub const ROW_BYTES: usize = firn_schema::firn_capnp::UNWIND_ROW_BYTES as usize;

@@ -176,7 +176,7 @@ pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), Ta
 /// A fresh read-write shared mapping of `len` bytes of an mmapable map's value from
 /// `offset` (a multiple of the page size): how the sampler writes into maps the
 /// program reads, without a map command per element.
-pub(super) fn map_shared(
+pub(crate) fn map_shared(
     fd: std::os::fd::BorrowedFd<'_>,
     len: std::num::NonZeroUsize,
     offset: i64,
@@ -196,7 +196,7 @@ pub(super) fn map_shared(
     }
 }
 
-pub(super) fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
         .ok()
         .flatten()

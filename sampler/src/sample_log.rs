@@ -1,0 +1,183 @@
+//! The sample log (`samples` in profile.bpf.c): the program puts each sample's key in
+//! the next slot of its CPU's run in the active set's half, a line of memory where a
+//! counts map lookup searched a hash (a fifth of a sample's cost at 99 Hz). When a set
+//! is drained the sampler maps that half, adds up the keys it finds and frees their
+//! slots; a run that comes round to a slot not freed yet sends the rest of the round's
+//! samples to the counts map, so a full log loses nothing.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::os::fd::{AsFd, OwnedFd};
+
+use nix::sys::mman::munmap;
+
+use crate::drain::KEY_SIZE;
+
+/// Bytes of a slot (`union firn_log_slot`): one key.
+const SLOT: usize = std::mem::size_of::<firn_sampler_bpf::types::firn_log_slot>();
+const _: () = assert!(SLOT == KEY_SIZE);
+/// Bytes of the whole log at most (both sets, every CPU): a node with many CPUs gets
+/// shorter runs, and a round that outruns its run goes on in the counts map.
+const MAX_BYTES: u64 = 8 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum LogError {
+    #[error("mapping the sample log: {0}")]
+    Map(nix::errno::Errno),
+    #[error("unmapping the sample log: {0}")]
+    Unmap(nix::errno::Errno),
+}
+
+/// Slots of one CPU's run in one set: a round's samples at `frequency` with a quarter
+/// to spare (rounds run late), in whole pages so that each set's half is page-aligned
+/// for its mapping, within [`MAX_BYTES`] over `cpus` CPUs. 0 (no log) if even one page
+/// a run would pass the bound.
+pub(crate) fn run_slots(frequency: u32, round_seconds: u32, cpus: u32) -> u32 {
+    let per_page = (crate::unwind::page_size() / SLOT).max(1) as u64;
+    let want = u64::from(frequency) * u64::from(round_seconds.max(1)) * 5 / 4 + 1;
+    let cap = MAX_BYTES / (2 * u64::from(cpus.max(1)) * SLOT as u64);
+    let slots = (want.div_ceil(per_page) * per_page).min(cap / per_page * per_page);
+    u32::try_from(slots).unwrap_or(0)
+}
+
+/// The sampler's handle on the log: a duplicate of the map's fd and its shape.
+pub(crate) struct SampleLog {
+    fd: OwnedFd,
+    cpus: u32,
+    slots: u32,
+}
+
+impl SampleLog {
+    pub(crate) fn new(fd: OwnedFd, cpus: u32, slots: u32) -> Self {
+        Self { fd, cpus, slots }
+    }
+
+    /// Adds up the keys in set `set`'s half, each distinct key once with its count, and
+    /// frees their slots. Called after the set's grace period, when no program writes
+    /// it. Returns the samples found.
+    pub(crate) fn take(&self, set: u32, mut f: impl FnMut(&[u8], u64)) -> Result<u64, LogError> {
+        let half = self.cpus as usize * self.slots as usize * SLOT;
+        let Some(len) = NonZeroUsize::new(half) else {
+            return Ok(0);
+        };
+        let offset = i64::try_from((set & 1) as usize * half)
+            .map_err(|_| LogError::Map(nix::errno::Errno::EOVERFLOW))?;
+        let map = crate::unwind::map_shared(self.fd.as_fd(), len, offset).map_err(LogError::Map)?;
+        let base = map.as_ptr().cast::<u8>();
+        let mut counts: HashMap<[u8; SLOT], u64> = HashMap::new();
+        let mut found = 0u64;
+        for i in 0..half / SLOT {
+            let mut key = [0u8; SLOT];
+            // SAFETY: slot `i` lies within the `half` bytes mapped; no program writes
+            // this set now, and Rust holds no reference into the mapping.
+            unsafe { std::ptr::copy_nonoverlapping(base.add(i * SLOT), key.as_mut_ptr(), SLOT) };
+            // tgid (the key's first word) 0: a free slot.
+            if key[..4] == [0; 4] {
+                continue;
+            }
+            *counts.entry(key).or_insert(0) += 1;
+            found += 1;
+            // SAFETY: as above; the slot is freed for the set's next turn.
+            unsafe { std::ptr::write_bytes(base.add(i * SLOT), 0, SLOT) };
+        }
+        // The frees are seen before the flip that makes this set active again.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // SAFETY: the mapping made above, `half` bytes; nothing refers to it after this.
+        unsafe { munmap(map, half) }.map_err(LogError::Unmap)?;
+        for (key, n) in &counts {
+            f(key, *n);
+        }
+        Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_fit_a_round_in_whole_pages_within_the_bound() {
+        let per_page = (crate::unwind::page_size() / SLOT) as u32;
+        let s = run_slots(99, 10, 2);
+        assert!(s >= 99 * 10 * 5 / 4 && s.is_multiple_of(per_page), "{s}");
+        // 1,000 CPUs at 999 Hz: capped, still whole pages, the whole log within the bound.
+        let s = run_slots(999, 10, 1000);
+        assert!(s.is_multiple_of(per_page));
+        assert!(2 * 1000 * u64::from(s) * SLOT as u64 <= MAX_BYTES);
+        // Not one page a run within the bound: no log at all.
+        assert_eq!(run_slots(99, 10, 1 << 20), 0);
+    }
+
+    /// A real mmapable array, written as the program writes it: the keys come back
+    /// added up, only from the set asked for, and their slots are free after.
+    #[test]
+    fn keys_are_added_up_and_their_slots_freed() {
+        use libbpf_rs::libbpf_sys;
+        let (cpus, slots) = (2u32, run_slots(1, 1, 2));
+        let entries = 2 * cpus * slots;
+        let opts = libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _,
+            map_flags: libbpf_sys::BPF_F_MMAPABLE,
+            ..Default::default()
+        };
+        // SAFETY: a plain map creation; the name is a NUL-terminated literal.
+        let fd = unsafe {
+            libbpf_sys::bpf_map_create(
+                libbpf_sys::BPF_MAP_TYPE_ARRAY,
+                c"firn_test_log".as_ptr(),
+                4,
+                SLOT as u32,
+                entries,
+                &opts,
+            )
+        };
+        if fd < 0 {
+            assert!(
+                std::env::var_os("CI").is_none() && std::env::var_os("FIRN_REQUIRE_BPF").is_none(),
+                "no BPF map: {}",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        // SAFETY: a fresh fd this test owns.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let key = |tgid: u32, tid: u32| {
+            let mut k = [0u8; SLOT];
+            k[..4].copy_from_slice(&tgid.to_ne_bytes());
+            k[4..8].copy_from_slice(&tid.to_ne_bytes());
+            k
+        };
+        let write = |index: u32, k: &[u8; SLOT]| {
+            let at = index.to_ne_bytes();
+            // SAFETY: key and value buffers of the map's sizes.
+            let r = unsafe {
+                libbpf_sys::bpf_map_update_elem(
+                    std::os::fd::AsRawFd::as_raw_fd(&fd),
+                    at.as_ptr().cast(),
+                    k.as_ptr().cast(),
+                    0,
+                )
+            };
+            assert_eq!(r, 0);
+        };
+        // Set 0: CPU 0's run holds (7, 1) twice and (7, 2); CPU 1's run (9, 3) at its end.
+        write(0, &key(7, 1));
+        write(1, &key(7, 2));
+        write(2, &key(7, 1));
+        write(2 * slots - 1, &key(9, 3));
+        // Set 1: one key, not taken with set 0.
+        write(cpus * slots, &key(11, 4));
+        let dup = fd.try_clone().expect("dup");
+        let log = SampleLog::new(dup, cpus, slots);
+        let mut got = Vec::new();
+        let n = log.take(0, |k, c| got.push((k[0], k[4], c))).expect("take");
+        got.sort();
+        assert_eq!(n, 4);
+        assert_eq!(got, vec![(7, 1, 2), (7, 2, 1), (9, 3, 1)]);
+        // Freed: a second take finds nothing; set 1 still holds its key.
+        assert_eq!(log.take(0, |_, _| panic!("freed")).expect("take"), 0);
+        let mut one = Vec::new();
+        assert_eq!(log.take(1, |k, c| one.push((k[0], c))).expect("take"), 1);
+        assert_eq!(one, vec![(11, 1)]);
+    }
+}
