@@ -294,6 +294,7 @@ pub(crate) fn events_kib_for(frequency: u32, off_cpu_rate: Option<u32>, cpus: us
 /// the per-round maps sized for `frequency` and rounds of `round_seconds`.
 pub(crate) fn load_and_attach(
     (frequency, round_seconds, events_kib): (u32, u32, Option<u32>),
+    log_slots: Option<u32>,
     limits: Limits,
     off_cpu: Option<OffCpu>,
     counters: Rc<Counters>,
@@ -340,7 +341,10 @@ pub(crate) fn load_and_attach(
         .set_max_entries(possible)
         .map_err(AttachError::Load)?;
     // The sample log: a run of slots per possible CPU and set.
-    let log_slots = crate::sample_log::run_slots(frequency, round_seconds, possible);
+    let log_slots = crate::sample_log::run_slots(
+        log_slots.unwrap_or_else(|| crate::sample_log::round_samples(frequency, round_seconds)),
+        possible,
+    );
     open.maps
         .samples
         .set_max_entries((2 * possible * log_slots).max(1))

@@ -68,6 +68,16 @@ pub(crate) struct Args {
     #[arg(long, value_parser = events_kib)]
     pub(crate) events_buffer_kib: Option<u32>,
 
+    /// Slots of the sample log a CPU has per round (0–65536; 64 bytes each, rounded up to
+    /// whole pages, twice: one run per map set). The BPF program puts each sample in the
+    /// next slot, which costs far less than counting it in a hash map; the sampler adds
+    /// them up at the round's end. A round with more samples on a CPU counts the rest in
+    /// the counts map (bpf_sample_log_full): slower, nothing lost. The whole log stays
+    /// within 8 MiB (fewer slots on a node with many CPUs). 0: no log. Default: a round's
+    /// samples at --frequency, and a quarter more.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(0..=65_536))]
+    pub(crate) sample_log_slots: Option<u32>,
+
     /// Handles of recently mapped files kept so that binaries of exited processes can
     /// still be brokered (0–65536; each is one file descriptor; fewer if RLIMIT_NOFILE's
     /// hard limit is lower). 0: only binaries of live processes are brokered.

@@ -120,6 +120,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     });
     let mut sampling = attach::load_and_attach(
         (args.frequency, args.round, args.events_buffer_kib),
+        args.sample_log_slots,
         crate::unwind::Limits {
             pool_rows: args.unwind_rows,
             table_rows: args.unwind_table_rows,

@@ -28,15 +28,23 @@ pub(crate) enum LogError {
     Unmap(nix::errno::Errno),
 }
 
-/// Slots of one CPU's run in one set: a round's samples at `frequency` with a quarter
-/// to spare (rounds run late), in whole pages so that each set's half is page-aligned
-/// for its mapping, within [`MAX_BYTES`] over `cpus` CPUs. 0 (no log) if even one page
-/// a run would pass the bound.
-pub(crate) fn run_slots(frequency: u32, round_seconds: u32, cpus: u32) -> u32 {
-    let per_page = (crate::unwind::page_size() / SLOT).max(1) as u64;
+/// A round's samples on one CPU at `frequency`, with a quarter to spare (rounds run
+/// late): the default run.
+pub(crate) fn round_samples(frequency: u32, round_seconds: u32) -> u32 {
     let want = u64::from(frequency) * u64::from(round_seconds.max(1)) * 5 / 4 + 1;
+    u32::try_from(want).unwrap_or(u32::MAX)
+}
+
+/// Slots of one CPU's run in one set for `want`: whole pages, so that each set's half
+/// is page-aligned for its mapping, within [`MAX_BYTES`] over `cpus` CPUs. 0 (no log)
+/// for `want` 0, or if even one page a run would pass the bound.
+pub(crate) fn run_slots(want: u32, cpus: u32) -> u32 {
+    if want == 0 {
+        return 0;
+    }
+    let per_page = (crate::unwind::page_size() / SLOT).max(1) as u64;
     let cap = MAX_BYTES / (2 * u64::from(cpus.max(1)) * SLOT as u64);
-    let slots = (want.div_ceil(per_page) * per_page).min(cap / per_page * per_page);
+    let slots = (u64::from(want).div_ceil(per_page) * per_page).min(cap / per_page * per_page);
     u32::try_from(slots).unwrap_or(0)
 }
 
@@ -98,14 +106,17 @@ mod tests {
     #[test]
     fn runs_fit_a_round_in_whole_pages_within_the_bound() {
         let per_page = (crate::unwind::page_size() / SLOT) as u32;
-        let s = run_slots(99, 10, 2);
+        let s = run_slots(round_samples(99, 10), 2);
         assert!(s >= 99 * 10 * 5 / 4 && s.is_multiple_of(per_page), "{s}");
+        // One slot asked for: a page of them.
+        assert_eq!(run_slots(1, 2), per_page);
         // 1,000 CPUs at 999 Hz: capped, still whole pages, the whole log within the bound.
-        let s = run_slots(999, 10, 1000);
+        let s = run_slots(round_samples(999, 10), 1000);
         assert!(s.is_multiple_of(per_page));
         assert!(2 * 1000 * u64::from(s) * SLOT as u64 <= MAX_BYTES);
-        // Not one page a run within the bound: no log at all.
-        assert_eq!(run_slots(99, 10, 1 << 20), 0);
+        // None asked for, or not one page a run within the bound: no log at all.
+        assert_eq!(run_slots(0, 2), 0);
+        assert_eq!(run_slots(round_samples(99, 10), 1 << 20), 0);
     }
 
     /// A real mmapable array, written as the program writes it: the keys come back
@@ -113,7 +124,7 @@ mod tests {
     #[test]
     fn keys_are_added_up_and_their_slots_freed() {
         use libbpf_rs::libbpf_sys;
-        let (cpus, slots) = (2u32, run_slots(1, 1, 2));
+        let (cpus, slots) = (2u32, run_slots(1, 2));
         let entries = 2 * cpus * slots;
         let opts = libbpf_sys::bpf_map_create_opts {
             sz: std::mem::size_of::<libbpf_sys::bpf_map_create_opts>() as _,

@@ -30,21 +30,43 @@ fn sampling_end_to_end() {
     if !can_run_bpf() {
         return;
     }
+    busy_end_to_end("e2e", &[]);
+}
+
+/// A log of one page a CPU fills in each round: the rest of a round's samples go to the
+/// counts map, and the end-to-end counts still hold.
+#[test]
+fn a_full_sample_log_counts_the_rest_in_the_counts_map() {
+    if !can_run_bpf() {
+        return;
+    }
+    let batches = busy_end_to_end("log", &["--sample-log-slots", "1"]);
+    let last = batches.last().expect("batches");
+    assert!(
+        counter(last, "bpf_sample_log_full").unwrap_or(0) > 0,
+        "the log never filled"
+    );
+    assert_eq!(counter(last, "bpf_counts_map_full"), Some(0));
+}
+
+/// The sampler (with `extra` flags) beside busy.c: whole stacks in its executable and
+/// Hz × its CPU seconds of samples. Returns the batches.
+fn busy_end_to_end(name: &str, extra: &[&str]) -> Vec<Value> {
     let (uid, gid) = test_user("firn-test");
     let freq = 99u64;
-    let mut sampler = SamplerRun::start(
-        "e2e",
-        &[
-            "--frequency",
-            "99",
-            "--round",
-            "2",
-            "--allow-uid",
-            &uid.to_string(),
-            "--socket-group",
-            &gid.to_string(),
-        ],
-    );
+    let (uid_s, gid_s) = (uid.to_string(), gid.to_string());
+    let mut args = vec![
+        "--frequency",
+        "99",
+        "--round",
+        "2",
+        "--allow-uid",
+        &uid_s,
+        "--socket-group",
+        &gid_s,
+    ];
+    args.extend_from_slice(extra);
+    let mut sampler = SamplerRun::start(name, &args);
     let dump = sampler.dump_as((uid, gid), &[]);
     assert!(
         dump.wait_for("\"connected\"", 10 * SECS).is_some(),
@@ -139,6 +161,7 @@ fn sampling_end_to_end() {
         }
     }
     sampler.stop();
+    batches
 }
 
 #[test]
