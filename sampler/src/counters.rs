@@ -47,7 +47,7 @@ counters! {
     bpf_kernel_stack_errors: "kernel stack reads failed unexpectedly",
     bpf_counts_map_full: "samples lost: counts map full",
     bpf_sample_log_full: "samples that found their CPU's run of the sample log full this round (counted in the counts map instead: nothing lost)",
-    sample_log_failures: "rounds whose sample log could not be mapped (its samples stay for the set's next drain)",
+    sample_log_failures: "rounds whose sample log could not be mapped (its samples stay for the set's next drain) or unmapped",
     drain_errors: "rounds whose map drain failed",
     counter_batch_failures: "rounds whose counters could not be read in one batch (read one by one instead)",
     stack_lookup_failures: "stacks referenced by a sample but missing from the stack map",

@@ -105,7 +105,8 @@ pub(crate) struct Drained {
     pub(crate) python_code: Vec<Vec<u8>>,
     /// Entries of the code map that could not be read out.
     pub(crate) python_code_failures: u64,
-    /// 1 when the sample log could not be mapped (its samples wait for the next drain).
+    /// 1 when the sample log's mapping failed (then its samples wait for the set's next
+    /// drain) or its unmapping did (then they were taken).
     pub(crate) sample_log_failures: u64,
 }
 
@@ -176,7 +177,7 @@ pub(crate) fn drain(
             }
         });
         if let Err(error) = taken {
-            tracing::warn!(%error, set, "the sample log's samples wait for the set's next drain");
+            tracing::warn!(%error, set, "draining the sample log failed");
             out.sample_log_failures += 1;
         }
     }

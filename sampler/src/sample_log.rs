@@ -22,9 +22,9 @@ const MAX_BYTES: u64 = 8 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum LogError {
-    #[error("mapping the sample log: {0}")]
+    #[error("mapping the sample log (its samples stay for the set's next drain): {0}")]
     Map(nix::errno::Errno),
-    #[error("unmapping the sample log: {0}")]
+    #[error("unmapping the sample log (its samples were taken): {0}")]
     Unmap(nix::errno::Errno),
 }
 
@@ -62,7 +62,8 @@ impl SampleLog {
 
     /// Adds up the keys in set `set`'s half, each distinct key once with its count, and
     /// frees their slots. Called after the set's grace period, when no program writes
-    /// it. Returns the samples found.
+    /// it. Returns the samples found; on `Map` nothing was taken (the samples stay for
+    /// the set's next drain), on `Unmap` everything was.
     pub(crate) fn take(&self, set: u32, mut f: impl FnMut(&[u8], u64)) -> Result<u64, LogError> {
         let half = self.cpus as usize * self.slots as usize * SLOT;
         let Some(len) = NonZeroUsize::new(half) else {
@@ -90,11 +91,13 @@ impl SampleLog {
         }
         // The frees are seen before the flip that makes this set active again.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        // SAFETY: the mapping made above, `half` bytes; nothing refers to it after this.
-        unsafe { munmap(map, half) }.map_err(LogError::Unmap)?;
+        // The samples first: their slots are free already, so they go out whatever
+        // munmap says.
         for (key, n) in &counts {
             f(key, *n);
         }
+        // SAFETY: the mapping made above, `half` bytes; nothing refers to it after this.
+        unsafe { munmap(map, half) }.map_err(LogError::Unmap)?;
         Ok(found)
     }
 }
