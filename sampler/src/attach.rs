@@ -307,10 +307,12 @@ pub(crate) fn load_and_attach(
         .open(storage)
         .map_err(AttachError::Load)?;
     // CPUs that may come online later are not sampled (the sampler exits then).
-    let ncpus = online_cpus()
-        .map_err(|e| AttachError::CpuList("online", e))?
-        .len()
-        .max(1);
+    let online = online_cpus().map_err(|e| AttachError::CpuList("online", e))?;
+    let ncpus = online.len().max(1);
+    // The log has a run for each CPU id up to the highest online one: a VM may name far
+    // more possible CPUs than it has, and a CPU that comes online later samples into the
+    // counts map (the sampler exits to be restarted then anyway).
+    let log_cpus = online.iter().max().map_or(1, |&c| c + 1);
     let events_kib =
         events_kib.unwrap_or_else(|| events_kib_for(frequency, off_cpu.map(|o| o.rate), ncpus));
     open.maps
@@ -340,18 +342,18 @@ pub(crate) fn load_and_attach(
         .scratch
         .set_max_entries(possible)
         .map_err(AttachError::Load)?;
-    // The sample log: a run of slots per possible CPU and set.
+    // The sample log: a run of slots per CPU and set.
     let log_slots = crate::sample_log::run_slots(
         log_slots.unwrap_or_else(|| crate::sample_log::round_samples(frequency, round_seconds)),
-        possible,
+        log_cpus,
     );
     open.maps
         .samples
-        .set_max_entries((2 * possible * log_slots).max(1))
+        .set_max_entries((2 * log_cpus * log_slots).max(1))
         .map_err(AttachError::Load)?;
     if let Some(ro) = open.maps.rodata_data.as_deref_mut() {
         ro.log_slots = log_slots;
-        ro.log_cpus = possible;
+        ro.log_cpus = log_cpus;
         if let Some(o) = off_cpu {
             ro.off_cpu_min_ns = o.min_ns;
             ro.off_cpu_every = o.every.max(1);
@@ -408,7 +410,7 @@ pub(crate) fn load_and_attach(
     let log = if log_slots > 0 {
         Some(crate::sample_log::SampleLog::new(
             dup(&skel.maps.samples)?,
-            possible,
+            log_cpus,
             log_slots,
         ))
     } else {

@@ -80,7 +80,8 @@ struct {
 	__type(key, __u32);
 	__type(value, union firn_log_slot);
 } samples SEC(".maps");
-/* Slots of a run (0: no log, every sample goes to counts_N) and CPUs with a run. */
+/* Slots of a run (0: no log, every sample goes to counts_N) and CPUs with a run (ids up
+ * to the highest online at load; a CPU above them counts in counts_N). */
 const volatile __u32 log_slots = 0;
 const volatile __u32 log_cpus = 0;
 
