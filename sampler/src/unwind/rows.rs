@@ -174,8 +174,9 @@ pub(super) fn write_rows(rows: &OwnedFd, at: u32, bytes: &[u8]) -> Result<(), Ta
 }
 
 /// A fresh read-write shared mapping of `len` bytes of an mmapable map's value from
-/// `offset` (a multiple of the page size): how the sampler writes into maps the
-/// program reads, without a map command per element.
+/// `offset` (a multiple of the page size): how the sampler writes rows and the epoch
+/// the program reads, and takes the sample log it writes, without a map command per
+/// element.
 pub(crate) fn map_shared(
     fd: std::os::fd::BorrowedFd<'_>,
     len: std::num::NonZeroUsize,
