@@ -443,7 +443,8 @@ pub(crate) fn load_and_attach(
             source,
         })?;
 
-    let cpus = online_cpus().map_err(|e| AttachError::CpuList("online", e))?;
+    // The list the per-round maps and the log were sized by.
+    let cpus = online;
     let mut links = Vec::with_capacity(cpus.len());
     for &cpu in &cpus {
         let fd = open_cpu_clock(cpu, frequency)?;

@@ -170,12 +170,7 @@ pub(crate) fn drain(
 ) -> Result<Drained, DrainError> {
     let mut out = Drained::default();
     if let Some(log) = log {
-        let taken = log.take(set, |k, n| {
-            if let Some(mut s) = parse_key(k) {
-                s.count = n;
-                out.samples.push(s);
-            }
-        });
+        let taken = log.take(set, |k, n| push_counted(&mut out.samples, k, n));
         if let Err(error) = taken {
             tracing::warn!(%error, set, "draining the sample log failed");
             out.sample_log_failures += 1;
@@ -289,15 +284,20 @@ pub(crate) fn take_python_code(pycode: BorrowedFd<'_>, out: &mut Drained) {
     }
 }
 
+/// A key (from the log or a counts map) and its count, as a sample.
+fn push_counted(samples: &mut Vec<RawSample>, k: &[u8], count: u64) {
+    if let Some(mut s) = parse_key(k) {
+        s.count = count;
+        samples.push(s);
+    }
+}
+
 /// Every sample key and count, taken out of the counts map in batches.
 fn drain_counts(counts: BorrowedFd<'_>, out: &mut Drained) -> Result<(), DrainError> {
     take_all(counts, (KEY_SIZE, 8), (BATCH, usize::MAX), |k, v| {
-        if let Some(mut s) = parse_key(k) {
-            let mut c = [0u8; 8];
-            c.copy_from_slice(v);
-            s.count = u64::from_ne_bytes(c);
-            out.samples.push(s);
-        }
+        let mut c = [0u8; 8];
+        c.copy_from_slice(v);
+        push_counted(&mut out.samples, k, u64::from_ne_bytes(c));
     })
     .map(|_| ())
     .map_err(DrainError::Counts)
