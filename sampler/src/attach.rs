@@ -443,10 +443,9 @@ pub(crate) fn load_and_attach(
             source,
         })?;
 
-    // The list the per-round maps and the log were sized by.
-    let cpus = online;
-    let mut links = Vec::with_capacity(cpus.len());
-    for &cpu in &cpus {
+    // Attach to the list the per-round maps and the log were sized by.
+    let mut links = Vec::with_capacity(online.len());
+    for &cpu in &online {
         let fd = open_cpu_clock(cpu, frequency)?;
         // libbpf owns the perf event fd from here and closes it with the link.
         let link = skel
@@ -463,7 +462,7 @@ pub(crate) fn load_and_attach(
     Ok(Sampling {
         skel,
         links,
-        cpus,
+        cpus: online,
         _hooks: hooks,
         _off_cpu: off_cpu_links,
         events,
