@@ -23,6 +23,7 @@ const _: () = {
     assert!(std::mem::offset_of!(Globals, proc_epoch) < 64);
     assert!(std::mem::offset_of!(Globals, active_set) < 64);
     assert!(std::mem::offset_of!(Globals, set_epoch) < 64);
+    assert!(std::mem::offset_of!(Globals, task_epoch) < 64);
     assert!(std::mem::offset_of!(Globals, hash_seed) + 8 <= 64);
 };
 
@@ -91,8 +92,8 @@ pub(crate) struct Sampling {
     pub(crate) skel: ProfileSkel<'static>,
     links: Vec<Link>,
     cpus: Vec<u32>,
-    /// The exec and exit hooks.
-    _hooks: [Link; 2],
+    /// The exec, exit and cgroup-move hooks.
+    _hooks: [Link; 3],
     /// The scheduler hooks of --off-cpu (none without it).
     _off_cpu: Vec<Link>,
     pub(crate) events: crate::events::Events,
@@ -429,6 +430,15 @@ pub(crate) fn load_and_attach(
             .attach()
             .map_err(|source| AttachError::Tracepoint {
                 what: "exit",
+                source,
+            })?,
+        // Before the sampling program, as the two above: a thread memo made before its
+        // hooks ran could outlive a move or an exit they would have seen.
+        skel.progs
+            .firn_cgroup_move
+            .attach()
+            .map_err(|source| AttachError::Tracepoint {
+                what: "cgroup move",
                 source,
             })?,
     ];

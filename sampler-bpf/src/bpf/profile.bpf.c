@@ -113,6 +113,9 @@ volatile __u32 active_set = 0;
 /* Counts the flips (the sampler adds one with each): a wait off CPU tells by it whether
  * the set its stacks went to is still the one it began in, not drained since. */
 volatile __u32 set_epoch = 0;
+/* Moved by every exec, thread exit and cgroup move (the hooks below): a CPU's memo of
+ * the thread it sampled last (key_of) holds only under the value it was made in. */
+volatile __u32 task_epoch = 0;
 /* Written by the sampler before load (random), never by a program: user and kernel
  * stacks are keyed by a hash no local user can predict, so none can craft frames that
  * take another stack's key. Only the holder of the map's fd (the sampler) can read it. */
@@ -386,11 +389,12 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 				   struct firn_sample_key *key)
 {
 	__u64 id = bpf_get_current_pid_tgid();
+	__u64 cur_task = bpf_get_current_task();
 	struct task_struct *task, *leader;
 	struct firn_unwind_state *st;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
-	__u32 cpu;
+	__u32 cpu, tepoch;
 
 	/* BTF-typed: its fields are plain loads (the JIT guards them), not a helper call
 	 * each as bpf_probe_read_kernel would be. */
@@ -398,11 +402,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	key->tgid = id >> 32;
 	key->tid = (__u32)id;
 	key->kind = kind;
-	leader = task->group_leader;
-	key->start_ns = leader->start_boottime;
-	key->exec_id = (__u32)leader->self_exec_id;
 	bpf_get_current_comm(&key->comm, sizeof(key->comm));
-	key->cgroup_id = bpf_get_current_cgroup_id();
 
 	st = walk_state(&cpu);
 	if (!st) {
@@ -410,6 +410,24 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		key->user_status = -FIRN_EFAULT;
 		key->kern_status = -FIRN_EFAULT;
 		return;
+	}
+	/* Read before the thread's fields: a hook that moves it after they change follows
+	 * the change, so a memo made from fields read before the change is dropped. */
+	tepoch = task_epoch;
+	if (st->thread_task == cur_task && st->thread_pid_tgid == id &&
+	    st->thread_epoch == tepoch && st->last_tgid == key->tgid) {
+		/* The thread this CPU sampled last, and neither exec, exit nor a cgroup move
+		 * anywhere since: its process and cgroup are the memo's, which skips the
+		 * leader's lines and the cgroup id's four dependent loads (css_set, cgroup,
+		 * kernfs node). */
+		key->start_ns = st->last_start_ns;
+		key->exec_id = st->last_exec_id;
+		key->cgroup_id = st->last_cgroup_id;
+	} else {
+		leader = task->group_leader;
+		key->start_ns = leader->start_boottime;
+		key->exec_id = (__u32)leader->self_exec_id;
+		key->cgroup_id = bpf_get_current_cgroup_id();
 	}
 	/* Filled on both paths: stack slots that differ between them would make the
 	 * verifier walk the unwinder once for each. */
@@ -469,6 +487,9 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		st->last_start_ns = key->start_ns;
 		st->last_cgroup_id = key->cgroup_id;
 		st->last_epochs = st->epochs;
+		st->thread_task = cur_task;
+		st->thread_pid_tgid = id;
+		st->thread_epoch = tepoch;
 	} else {
 		st->last_tgid = 0;
 	}
@@ -501,6 +522,7 @@ int firn_exec(void *ctx)
 	struct firn_proc_id id;
 
 	(void)ctx;
+	__sync_fetch_and_add(&task_epoch, 1);
 	proc_id_of((struct task_struct *)bpf_get_current_task(), &id);
 	id.exec_id -= 1;
 	ended(FIRN_EV_EXEC, &id);
@@ -515,9 +537,22 @@ int firn_exit(void *ctx)
 	struct firn_proc_id id;
 
 	(void)ctx;
+	/* Every thread: its id may be given to a new thread once it is gone. */
+	__sync_fetch_and_add(&task_epoch, 1);
 	if (BPF_CORE_READ(task, signal, live.counter) != 0)
 		return 0;
 	proc_id_of(task, &id);
 	ended(FIRN_EV_EXIT, &id);
+	return 0;
+}
+
+/* Fired after a task or thread group was moved, in any hierarchy (cgroup v1's
+ * transfer_tasks moves none in the default one, whose id the keys carry): the thread
+ * memos no longer hold. After the move, so a memo made before it is dropped. */
+SEC("raw_tp/cgroup_attach_task")
+int firn_cgroup_move(void *ctx)
+{
+	(void)ctx;
+	__sync_fetch_and_add(&task_epoch, 1);
 	return 0;
 }
