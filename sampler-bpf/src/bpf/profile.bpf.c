@@ -96,7 +96,7 @@ struct {
 } seen SEC(".maps");
 
 /* The program's globals, in .bss: an mmapable array whose value is page-aligned, so
- * the five below share one cache line (every sample reads them, each cold again at
+ * the six below share one cache line (every sample reads them, each cold again at
  * 99 Hz). Declared together and in this order so that they are laid out so; the sampler
  * asserts it (attach.rs). */
 
