@@ -50,8 +50,8 @@ pub(crate) enum AttachError {
     #[error("attaching the BPF program to cpu {cpu}: {source}")]
     Attach { cpu: u32, source: libbpf_rs::Error },
     #[error(
-        "attaching to the sched_process_{what} tracepoint: {source}. firn needs raw \
-         tracepoints (Linux 4.17+) and CAP_BPF + CAP_PERFMON (or root)"
+        "attaching to the {what} tracepoint: {source}. firn needs raw tracepoints \
+         (Linux 4.17+) and CAP_BPF + CAP_PERFMON (or root)"
     )]
     Tracepoint {
         what: &'static str,
@@ -422,14 +422,14 @@ pub(crate) fn load_and_attach(
             .firn_exec
             .attach()
             .map_err(|source| AttachError::Tracepoint {
-                what: "exec",
+                what: "sched_process_exec",
                 source,
             })?,
         skel.progs
             .firn_exit
             .attach()
             .map_err(|source| AttachError::Tracepoint {
-                what: "exit",
+                what: "sched_process_exit",
                 source,
             })?,
         // Before the sampling program, as the two above: a thread memo made before its
@@ -438,7 +438,7 @@ pub(crate) fn load_and_attach(
             .firn_cgroup_move
             .attach()
             .map_err(|source| AttachError::Tracepoint {
-                what: "cgroup move",
+                what: "cgroup_attach_task",
                 source,
             })?,
     ];
