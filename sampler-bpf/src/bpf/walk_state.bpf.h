@@ -112,12 +112,12 @@ struct firn_unwind_state {
 	__u64 last_epochs;
 	__u32 last_tgid;
 	__u32 last_exec_id;
-	/* The thread of that sample (its task and ids) under task_epoch's value: its next
-	 * sample here takes the process and cgroup above without reading them. */
+	/* The thread of that sample (its task and tid; its tgid is last_tgid) under
+	 * task_epoch's value: its next sample here takes the process and cgroup above
+	 * without reading them. */
 	__u64 thread_task;
-	__u64 thread_pid_tgid;
+	__u32 thread_tid;
 	__u32 thread_epoch;
-	__u32 pad3;
 	/* This sample's: the epochs read before its lookups, whether it was announced, and
 	 * what it found in `pyprocs` (enum firn_py_checked). */
 	__u64 epochs;
