@@ -112,11 +112,13 @@ struct firn_unwind_state {
 	__u64 last_epochs;
 	__u32 last_tgid;
 	__u32 last_exec_id;
-	/* The thread of that sample (its task and tid; its tgid is last_tgid) under
-	 * task_epoch's value: its next sample here takes the process and cgroup above
-	 * without reading them. */
+	/* The thread of that sample (its task) under task_epoch's value: its next sample
+	 * here takes the process and cgroup above without reading them. No tid is kept:
+	 * under one epoch value a task pointer names one thread, with one tid and tgid
+	 * (a task is freed only after its exit, and its ids change only in exec; both
+	 * move the epoch). */
 	__u64 thread_task;
-	__u32 thread_tid;
+	__u32 pad3;
 	__u32 thread_epoch;
 	/* This sample's: the epochs read before its lookups, whether it was announced, and
 	 * what it found in `pyprocs` (enum firn_py_checked). */
