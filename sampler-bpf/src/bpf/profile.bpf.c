@@ -414,10 +414,8 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 	/* Read before the thread's fields: a hook that moves it after they change follows
 	 * the change, so a memo made from fields read before the change is dropped. */
 	tepoch = task_epoch;
-	/* last_tgid is 0 when the memo holds no process: no key is made for tgid 0 (both
-	 * callers leave the idle task out), so that never matches. */
-	if (st->thread_task == cur_task && st->thread_epoch == tepoch &&
-	    st->last_tgid == key->tgid) {
+	if (st->thread_task == cur_task && st->thread_tid == key->tid &&
+	    st->thread_epoch == tepoch && st->last_tgid == key->tgid) {
 		/* The thread this CPU sampled last, and neither exec, exit nor a cgroup move
 		 * anywhere since: its process and cgroup are the memo's, which skips the
 		 * leader's lines and the cgroup id's four dependent loads (css_set, cgroup,
@@ -490,6 +488,7 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 		st->last_cgroup_id = key->cgroup_id;
 		st->last_epochs = st->epochs;
 		st->thread_task = cur_task;
+		st->thread_tid = key->tid;
 		st->thread_epoch = tepoch;
 	} else {
 		st->last_tgid = 0;

@@ -112,13 +112,15 @@ struct firn_unwind_state {
 	__u64 last_epochs;
 	__u32 last_tgid;
 	__u32 last_exec_id;
-	/* The thread of that sample (its task) under task_epoch's value: its next sample
-	 * here takes the process and cgroup above without reading them. No tid is kept:
-	 * under one epoch value a task pointer names one thread, with one tid and tgid
-	 * (a task is freed only after its exit, and its ids change only in exec; both
-	 * move the epoch). */
+	/* The thread of that sample (its task and tid; its tgid is last_tgid) under
+	 * task_epoch's value: its next sample here takes the process and cgroup above
+	 * without reading them. The tid is not implied by the task and the epoch: a memo
+	 * can be written after the exit hook moved the epoch (the dead task's last switch,
+	 * a sample in do_exit's later steps), and the freed task's memory can come back as
+	 * a new thread of the same process, which moves no epoch; tids are handed out
+	 * cyclically, so the new thread's differs. */
 	__u64 thread_task;
-	__u32 pad3;
+	__u32 thread_tid;
 	__u32 thread_epoch;
 	/* This sample's: the epochs read before its lookups, whether it was announced, and
 	 * what it found in `pyprocs` (enum firn_py_checked). */
