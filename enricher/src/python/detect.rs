@@ -113,7 +113,8 @@ struct File<'a> {
 
 impl File<'_> {
     fn offset(&self, vaddr: u64) -> Option<u64> {
-        self.segment_of(vaddr).map(|(v, off)| vaddr - v + off)
+        self.segment_of(vaddr)
+            .and_then(|(v, off)| (vaddr - v).checked_add(off))
     }
 
     /// The (vaddr, file offset) of the loaded segment whose file bytes hold `vaddr`.
@@ -196,13 +197,25 @@ pub fn analyze(data: &[u8], name: &str) -> Result<Interpreter, AnalysisError> {
     };
     check(&file, &layout, &runtime, &code_type, &bytes_type)?;
 
-    let (text_delta, eval_start) = file
+    // A crafted segment's offset can push the range past the end of the address space:
+    // such a file is refused, not recorded with an end before its start (fuzzing found it).
+    let (text_delta, eval_range) = file
         .segment_of(eval.address)
-        .map(|(v, off)| (v.wrapping_sub(off), eval.address - v + off))
+        .and_then(|(v, off)| {
+            let start = file.offset(eval.address)?;
+            Some((
+                v.wrapping_sub(off),
+                start..start.checked_add(eval.size.max(1))?,
+            ))
+        })
         .ok_or(AnalysisError::NotInFile { symbol: EVAL })?;
     let eval_cold = find(EVAL_COLD)
         .and_then(|s| fde_range(&obj, s.address))
-        .and_then(|r| Some(file.offset(r.start)?..file.offset(r.end - 1)? + 1));
+        .and_then(|r| {
+            let start = file.offset(r.start)?;
+            let end = file.offset(r.end.checked_sub(1)?)?.checked_add(1)?;
+            (start < end).then_some(start..end)
+        });
     Ok(Interpreter {
         version,
         text_delta,
@@ -210,7 +223,7 @@ pub fn analyze(data: &[u8], name: &str) -> Result<Interpreter, AnalysisError> {
         code_type: code_type.address,
         str_type: str_type.address,
         bytes_type: bytes_type.address,
-        eval: eval_start..eval_start + eval.size.max(1),
+        eval: eval_range,
         eval_cold,
         layout,
     })

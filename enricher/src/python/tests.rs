@@ -117,6 +117,32 @@ fn other_files_and_lies_are_refused() {
     assert!(e.is_cpython());
 }
 
+/// Fuzzing found a file whose text segment's offset pushes the eval loop's range past
+/// the end of the address space: it is refused, never recorded with its end before its
+/// start (the sampler would refuse that record too).
+#[test]
+fn an_eval_range_past_the_address_space_is_refused() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/regressions/python_interpreter");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).expect("the regression inputs") {
+        let data = read(&entry.expect("a regression input").path());
+        for name in [
+            "/usr/lib/libpython3.12.so.1.0",
+            "/usr/bin/python3.10",
+            "/bin/x",
+        ] {
+            if let Ok(i) = analyze(&data, name) {
+                assert!(i.eval.start < i.eval.end, "{name}: {:?}", i.eval);
+                if let Some(c) = &i.eval_cold {
+                    assert!(c.start < c.end, "{name}: cold {c:?}");
+                }
+            }
+        }
+        seen += 1;
+    }
+    assert!(seen > 0);
+}
+
 /// The file offset of `Py_Version` in a non-PIE executable (vaddr − segment + offset).
 fn py_version_offset() -> usize {
     let out = Command::new("readelf")
