@@ -112,31 +112,32 @@ struct File<'a> {
 }
 
 impl File<'_> {
+    /// The file offset of `vaddr`, checked: a crafted segment offset can push it past
+    /// 2^64, and a release build would wrap it.
     fn offset(&self, vaddr: u64) -> Option<u64> {
-        self.segment_of(vaddr)
-            .and_then(|(v, off)| (vaddr - v).checked_add(off))
+        let &(v, off, _) = self.segment(vaddr)?;
+        (vaddr - v).checked_add(off)
     }
 
     /// The (vaddr, file offset) of the loaded segment whose file bytes hold `vaddr`.
     fn segment_of(&self, vaddr: u64) -> Option<(u64, u64)> {
+        self.segment(vaddr).map(|&(v, off, _)| (v, off))
+    }
+
+    fn segment(&self, vaddr: u64) -> Option<&(u64, u64, u64)> {
         self.segments
             .iter()
             .find(|(v, _, n)| vaddr >= *v && vaddr - v < *n)
-            .map(|&(v, off, _)| (v, off))
     }
 
     fn bytes(&self, vaddr: u64, len: u64, symbol: &'static str) -> Result<&[u8], AnalysisError> {
         let not = || AnalysisError::NotInFile { symbol };
-        let &(v, off, n) = self
-            .segments
-            .iter()
-            .find(|(v, _, n)| vaddr >= *v && vaddr - v < *n)
-            .ok_or_else(not)?;
+        let &(v, _, n) = self.segment(vaddr).ok_or_else(not)?;
         // The whole range lies in the one segment's file bytes.
         if len > n - (vaddr - v) {
             return Err(not());
         }
-        let start = usize::try_from(vaddr - v + off).map_err(|_| not())?;
+        let start = usize::try_from(self.offset(vaddr).ok_or_else(not)?).map_err(|_| not())?;
         let end = start
             .checked_add(usize::try_from(len).map_err(|_| not())?)
             .ok_or_else(not)?;
