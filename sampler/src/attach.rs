@@ -6,7 +6,7 @@ use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
 use std::rc::Rc;
 
 use crate::counters::Counters;
-use crate::cpus::{online_cpus, possible_cpus};
+use crate::cpus::possible_cpus;
 use crate::unwind::epoch::ProcEpoch;
 use crate::unwind::{Limits, Unwind};
 
@@ -104,6 +104,8 @@ pub(crate) struct Sampling {
     py_code_copied: Option<u64>,
     /// The sample log (none when not one page a CPU fits its bound).
     log: Option<crate::sample_log::SampleLog>,
+    /// The online CPU list, kept open for each round's check.
+    online: crate::cpus::OnlineCpus,
     counters: Rc<Counters>,
 }
 
@@ -230,6 +232,21 @@ impl Sampling {
     pub(crate) fn cpus(&self) -> &[u32] {
         &self.cpus
     }
+
+    /// The online CPU list now; `None` (counted, logged the first time) if it could not
+    /// be read.
+    pub(crate) fn online_now(&mut self) -> Option<Vec<u32>> {
+        match self.online.read() {
+            Ok(list) => Some(list),
+            Err(error) => {
+                if self.counters.online_cpus_unread.get() == 0 {
+                    tracing::warn!(%error, "the online CPU list could not be read; CPU hotplug is not checked while it cannot");
+                }
+                crate::counters::bump(&self.counters.online_cpus_unread);
+                None
+            }
+        }
+    }
 }
 
 /// 8 random bytes from the kernel.
@@ -308,7 +325,11 @@ pub(crate) fn load_and_attach(
         .open(storage)
         .map_err(AttachError::Load)?;
     // CPUs that may come online later are not sampled (the sampler exits then).
-    let online = online_cpus().map_err(|e| AttachError::CpuList("online", e))?;
+    let mut online_list =
+        crate::cpus::OnlineCpus::open().map_err(|e| AttachError::CpuList("online", e))?;
+    let online = online_list
+        .read()
+        .map_err(|e| AttachError::CpuList("online", e))?;
     let ncpus = online.len().max(1);
     // The log has a run for each CPU id up to the highest online one: a VM may name far
     // more possible CPUs than it has, and a CPU that comes online later samples into the
@@ -479,6 +500,7 @@ pub(crate) fn load_and_attach(
         unwind: Rc::new(RefCell::new(unwind)),
         py_code_copied: None,
         log,
+        online: online_list,
         counters,
     })
 }

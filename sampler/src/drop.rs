@@ -149,6 +149,8 @@ pub enum Check {
         mask: u64,
         what: &'static str,
     },
+    /// Argument `arg` (all 64 bits) is 0.
+    Zero { arg: u8, what: &'static str },
 }
 
 /// One entry of the allow-list.
@@ -206,7 +208,7 @@ impl Allowed {
                 .map(|(_, n)| format!("`{n}`"))
                 .collect::<Vec<_>>()
                 .join(", "),
-            Check::NoBits { what, .. } => what.to_string(),
+            Check::NoBits { what, .. } | Check::Zero { what, .. } => what.to_string(),
         }
     }
 }
@@ -245,6 +247,14 @@ macro_rules! allow_list {
     ($epoll_wait:ident) => {
         &[
             allow!(SYS_read, Check::Any, IO),
+            allow!(
+                SYS_pread64,
+                Check::Zero {
+                    arg: 3,
+                    what: "offset 0",
+                },
+                "reading the online CPU list each round again from the start, through the fd kept open since setup (no path walk, open and close per round)"
+            ),
             allow!(SYS_write, Check::Any, IO),
             allow!(SYS_close, Check::Any, IO),
             allow!(SYS_newfstatat, Check::Any, PROC),
@@ -369,7 +379,6 @@ macro_rules! setup_list {
     ($($arch_only:expr),*) => {
         &[
             setup!(SYS_execve, LOADER),
-            setup!(SYS_pread64, LOADER),
             setup!(SYS_mprotect, LOADER),
             setup!(SYS_faccessat2, "libbpf probing optional files"),
             setup!(SYS_set_tid_address, START),
@@ -409,6 +418,8 @@ macro_rules! setup_list {
             ),
             setup!(SYS_epoll_create1, "the event loop"),
             setup!(SYS_eventfd2, "the event loop"),
+            setup!(SYS_timerfd_create, "the round timer"),
+            setup!(SYS_timerfd_settime, "the round timer, set once to fire every round"),
             setup!(SYS_socketpair, "tokio's signal pipe"),
             setup!(SYS_madvise, "dropping setup-only pages from RSS"),
             setup!(SYS_capget, CAPS),
@@ -519,6 +530,9 @@ pub(crate) fn build_filter() -> Result<BpfProgram, DropError> {
                 Op::MaskedEq(mask),
                 0,
             )?])?],
+            Check::Zero { arg, .. } => {
+                vec![SeccompRule::new(vec![cond(arg, Len::Qword, Op::Eq, 0)?])?]
+            }
         };
         rules.insert(a.nr, r);
     }

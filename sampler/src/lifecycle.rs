@@ -155,7 +155,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("starting the event loop")?;
-    let (listener, sigterm, sigint, events_ready) = {
+    let (listener, sigterm, sigint, events_ready, timer) = {
         let _guard = rt.enter();
         (
             tokio::net::UnixListener::from_std(listening.listener)
@@ -171,6 +171,8 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
                 )
             }
             .map_err(|e| anyhow::anyhow!("registering the process event ring buffer: {e}"))?,
+            run::RoundTimer::start(Duration::from_secs(u64::from(args.round)))
+                .context("the round timer")?,
         )
     };
 
@@ -198,7 +200,7 @@ fn run(args: cli::Args) -> anyhow::Result<()> {
     let ended = local.block_on(&rt, async {
         tokio::task::spawn_local(run::accept_loop(listener, shared.clone(), allow));
         run::run_rounds(
-            Duration::from_secs(u64::from(args.round)),
+            timer,
             shared,
             &mut sampling,
             &kallsyms,

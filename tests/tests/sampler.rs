@@ -308,6 +308,7 @@ fn forbidden_syscalls_are_refused() {
         "perf_event_open",
         "openat_write",
         "unlinkat_absolute",
+        "pread64_offset",
     ];
     std::thread::sleep(SECS);
     let lines = sampler.lines();
