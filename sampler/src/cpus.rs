@@ -31,8 +31,8 @@ fn cpu_list(text: String) -> std::io::Result<Vec<u32>> {
 }
 
 /// The online CPU list, opened once at setup and read again each round from its start
-/// (sysfs makes the text anew for a read at offset 0): an open of a sysfs path under
-/// seccomp, its read and close were a sixth of the sampler's cost on an idle node.
+/// (sysfs makes the text anew for a read at offset 0): one call a round where an open
+/// by path (a walk of five sysfs names), a read and a close were three.
 pub(crate) struct OnlineCpus {
     file: std::fs::File,
     buf: Vec<u8>,

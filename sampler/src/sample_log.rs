@@ -6,9 +6,9 @@
 //! samples to the counts map, so a full log loses nothing.
 //!
 //! A small log (both halves within [`KEEP_BYTES`]) stays mapped for the sampler's life:
-//! mapping and unmapping a half each round were nine tenths of the log's drain and a
-//! tenth of the sampler's cost on an idle node. A longer one is mapped per drain, so
-//! that the sampler's RSS does not carry it.
+//! mapping and unmapping a half each round were nine tenths of the log's drain in a
+//! profile of an idle node. A longer one is mapped per drain, so that the sampler's RSS
+//! does not carry it.
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
