@@ -42,7 +42,8 @@ impl OnlineCpus {
     pub(crate) fn open() -> std::io::Result<Self> {
         Ok(Self {
             file: std::fs::File::open(ONLINE)?,
-            // A sysfs attribute's text is at most a page.
+            // A sysfs attribute's text is at most a page (64 KiB on the largest pages);
+            // pages of the buffer never written stay out of RSS.
             buf: vec![0; 1 << 16],
         })
     }
@@ -57,19 +58,19 @@ impl OnlineCpus {
                 "the online CPU list is longer than 64 KiB",
             ));
         }
-        let text = std::str::from_utf8(&self.buf[..n])
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-        cpu_list(text.to_owned())
+        cpu_list(text(self.buf[..n].to_vec())?)
     }
 }
 
 /// A small sysfs file in one read (sysfs hands its whole text to the first read): open,
-/// read, close each round, where `read_to_string` adds a stat and a read that returns
-/// nothing.
+/// read, close, where `read_to_string` adds a stat and a read that returns nothing.
 fn read_sysfs(path: &str) -> std::io::Result<String> {
     let f = std::fs::File::open(path)?;
-    let buf = crate::procfs::read_short(&f, 1 << 16).map_err(std::io::Error::from)?;
-    String::from_utf8(buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+    text(crate::procfs::read_short(&f, 1 << 16).map_err(std::io::Error::from)?)
+}
+
+fn text(bytes: Vec<u8>) -> std::io::Result<String> {
+    String::from_utf8(bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
 }
 
 /// An online CPU the program does not sample: one that came online after setup, or an

@@ -213,7 +213,7 @@ impl Allowed {
     }
 }
 
-const IO: &str = "I/O on fds already held: sockets, /proc files, stderr";
+const IO: &str = "I/O on fds already held: sockets, /proc files, the round timer, stderr";
 const PROC: &str = "reading process facts under /proc, resolving broker paths (glibc's fstat is newfstatat; std's File metadata is statx)";
 const SERVER: &str = "the Unix socket server: accept clients, read their credentials (SO_PEERCRED, SO_PEERGROUPS), exchange messages";
 const RUNTIME: &str =
@@ -316,7 +316,7 @@ macro_rules! allow_list {
                     mask: libc::PROT_EXEC as u64,
                     what: "no `PROT_EXEC`",
                 },
-                "memory allocation, the windows unwind rows are copied in through and the drained half of the sample log; never executable memory"
+                "memory allocation, the windows unwind rows are copied in through, and the sample log (mapped once when small, else its drained half each round); never executable memory"
             ),
             allow!(SYS_munmap, Check::Any, MEMORY),
             allow!(SYS_mremap, Check::Any, MEMORY),

@@ -160,25 +160,30 @@ pub(crate) fn run() {
         unlink = format!("{:?}", nix::errno::Errno::last());
     }
     results.push(("unlinkat_absolute", unlink));
-    // pread64 is allowed at offset 0 only (the online CPU list, read again each round).
+    // pread64 is allowed at offset 0 only (the online CPU list, read again each round):
+    // offset 1, and 2^32, whose low 32 bits are 0, so that a filter comparing only them
+    // lets it through.
     let stat = CString::new("/proc/self/stat").unwrap_or_default();
-    // SAFETY: a valid NUL-terminated path.
-    let fd = unsafe { libc::open(stat.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    let pread = if fd < 0 {
-        format!("open: {:?}", nix::errno::Errno::last())
-    } else {
-        // SAFETY: a buffer of `buf.len()` bytes; the fd was just opened.
-        let ret = unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), 1) };
-        let out = if ret < 0 {
-            format!("{:?}", nix::errno::Errno::last())
+    for (name, offset) in [("pread64_offset", 1i64), ("pread64_offset_high", 1 << 32)] {
+        // SAFETY: a valid NUL-terminated path.
+        let fd = unsafe { libc::open(stat.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        let pread = if fd < 0 {
+            format!("open: {:?}", nix::errno::Errno::last())
         } else {
-            "ALLOWED".to_string()
+            // SAFETY: a buffer of `buf.len()` bytes; the fd was just opened.
+            let ret = unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), offset) };
+            // A read past the end returns 0, not an error: allowed all the same.
+            let out = if ret < 0 {
+                format!("{:?}", nix::errno::Errno::last())
+            } else {
+                "ALLOWED".to_string()
+            };
+            // SAFETY: the fd opened above.
+            unsafe { libc::close(fd) };
+            out
         };
-        // SAFETY: the fd opened above.
-        unsafe { libc::close(fd) };
-        out
-    };
-    results.push(("pread64_offset", pread));
+        results.push((name, pread));
+    }
     // Not a syscall the filter refuses: a root-only file, readable while the sampler is
     // uid 0, unreadable once it runs as --user.
     let shadow = CString::new("/etc/shadow").unwrap_or_default();

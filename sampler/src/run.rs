@@ -90,7 +90,8 @@ fn take_events(sampling: &mut Sampling, rounds: &mut Rounds, shared: &Shared) {
 /// sits in a high level of tokio's timer wheel, and the event loop wakes at each level's
 /// slot boundary on the way down (at 10 s rounds: twice more a round, up to 4 s and
 /// 64 ms before the tick); the kernel's timer wakes it once. A round that runs past the
-/// next tick is followed by one at once, then the ticks keep their phase.
+/// next tick is followed by one at once (shorter than a period), then the ticks keep
+/// their phase.
 pub(crate) struct RoundTimer {
     fd: AsyncFd<OwnedFd>,
 }
@@ -161,7 +162,8 @@ pub(crate) async fn run_rounds(
                 Ok(ticks) => crate::counters::add(&c.round_ticks_missed, ticks.saturating_sub(1)),
                 Err(error) => {
                     // Not seen in practice; the round still runs, a second later, so that
-                    // a timer that keeps failing cannot spin the loop.
+                    // a timer that keeps failing cannot spin the loop (it makes rounds a
+                    // second apart instead, whatever --round says).
                     bump(&c.round_timer_errors);
                     tracing::warn!(%error, "reading the round timer failed");
                     tokio::time::sleep(Duration::from_secs(1)).await;

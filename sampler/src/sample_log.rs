@@ -25,8 +25,8 @@ const _: () = assert!(SLOT == KEY_SIZE);
 /// Bytes of the whole log at most (both sets, every CPU): a node with many CPUs gets
 /// shorter runs, and a round that outruns its run goes on in the counts map.
 const MAX_BYTES: u64 = 8 << 20;
-/// Bytes of the whole log (both sets) at most for it to stay mapped: 32 CPUs at 19 Hz,
-/// 3 at 99 Hz with 10 s rounds. The pages are the map's, charged already; a mapping
+/// Bytes of the whole log (both sets) at most for it to stay mapped: 16 CPUs at 19 Hz,
+/// 3 at 99 Hz with 10 s rounds and 4 KiB pages. The pages are the map's, charged already; a mapping
 /// only counts them in the sampler's RSS too.
 const KEEP_BYTES: usize = 512 << 10;
 

@@ -309,6 +309,7 @@ fn forbidden_syscalls_are_refused() {
         "openat_write",
         "unlinkat_absolute",
         "pread64_offset",
+        "pread64_offset_high",
     ];
     std::thread::sleep(SECS);
     let lines = sampler.lines();
