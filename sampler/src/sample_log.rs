@@ -82,8 +82,16 @@ impl SampleLog {
         let whole = log.half_bytes().saturating_mul(2);
         if whole <= keep {
             if let Some(len) = NonZeroUsize::new(whole) {
-                // Not kept (mapped per drain instead) if this fails.
-                log.kept = crate::unwind::map_shared(log.fd.as_fd(), len, 0).ok();
+                // Not kept if this fails: mapped per drain instead, nothing lost, only
+                // the older cost each round. Said once, at setup.
+                match crate::unwind::map_shared(log.fd.as_fd(), len, 0) {
+                    Ok(map) => log.kept = Some(map),
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        bytes = whole,
+                        "the sample log could not stay mapped; it is mapped at each drain instead"
+                    ),
+                }
             }
         }
         log
