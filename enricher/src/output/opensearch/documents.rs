@@ -94,7 +94,12 @@ pub fn encode(
             label_key.extend_from_slice(v.as_bytes());
             label_key.push(0);
         }
-        let profile_id = hex_id(&[round_key.as_bytes(), &label_key]);
+        // And the process: per process, two groups of a round can carry equal labels
+        // (a program that exec'd itself, or was sampled between its exec and the
+        // kernel's count of it), and one id would let the second document overwrite
+        // the first. The group's first stack names it, the same for a resend.
+        let process = idx.first().map_or(0, |&i| round.stacks[i].process_id);
+        let profile_id = hex_id(&[round_key.as_bytes(), &label_key, &process.to_le_bytes()]);
         // Per distinct stack: (samples, off-CPU ns).
         let mut stacks: HashMap<Vec<Arc<str>>, (u64, u64)> = HashMap::new();
         let mut leaf: HashMap<Arc<str>, u64> = HashMap::new();
@@ -404,6 +409,55 @@ mod tests {
         let (small, enc) = encode(&round, &groups, &layout, &f).unwrap();
         assert_eq!((enc.stacks, enc.stacks_left_out), (2, 1));
         assert!(small.len() <= f.max_bytes);
+    }
+
+    /// Two processes of a round with equal labels (a program that exec'd itself): a
+    /// profile document each, none overwriting the other, and their stacks apart.
+    #[test]
+    fn equal_labels_of_two_processes_keep_two_documents() {
+        let round = Round {
+            session_id: 1,
+            round: 3,
+            start_ns: 1_796_100_600_000_000_000,
+            end_ns: 1_796_100_610_000_000_000,
+            frequency_hz: 100,
+            off_cpu: false,
+            stacks: vec![
+                stack(&["leaf", "main"], 5),
+                crate::model::StackSample {
+                    process_id: 2,
+                    ..stack(&["leaf", "main"], 1)
+                },
+            ],
+        };
+        let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);
+        assert_eq!(groups.len(), 2);
+        let layout = RoundLayout::new(&round, &groups);
+        let f = Format {
+            index_prefix: "p".into(),
+            max_stacks: 10,
+            max_bytes: 1 << 20,
+            pprof_base: "http://h:1".into(),
+        };
+        let (body, enc) = encode(&round, &groups, &layout, &f).unwrap();
+        assert_eq!((enc.profiles, enc.stacks), (2, 2));
+        let lines: Vec<Value> = body
+            .split(|&b| b == b'\n')
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_slice(l).unwrap())
+            .collect();
+        let ids: std::collections::HashSet<&str> = lines
+            .iter()
+            .filter_map(|l| l["index"]["_id"].as_str())
+            .collect();
+        assert_eq!(ids.len(), 4, "an id each: {lines:#?}");
+        let mut samples: Vec<u64> = lines
+            .iter()
+            .filter(|l| l["doc_type"] == "profile")
+            .filter_map(|l| l["samples"].as_u64())
+            .collect();
+        samples.sort();
+        assert_eq!(samples, [1, 5]);
     }
 
     /// Off-CPU time: fields of its own on both documents, and its stacks ranked apart
