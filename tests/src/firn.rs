@@ -316,7 +316,9 @@ impl Firn {
             .collect()
     }
 
-    /// Waits until `pid` has profiles in at least `rounds` rounds.
+    /// Waits until `pid` has at least `rounds` profiles. A profile per round, but for
+    /// the round of a sample between the harness's fork and its exec, which holds a
+    /// profile of the test binary's too, so it may return a round early.
     pub fn wait_profiles(&self, pid: u32, rounds: usize, timeout: Duration) -> Vec<PathBuf> {
         let t0 = Instant::now();
         loop {

@@ -511,36 +511,33 @@ fn kills_at_random_points_neither_duplicate_nor_mislabel() {
         (&a, "busy", "hot_leaf", "other_leaf"),
         (&b, "busy_other", "other_leaf", "hot_leaf"),
     ] {
-        let mut recs = records_of(&f, p.pid());
+        // A sample taken while the harness's fork was exec'ing belongs to the process
+        // before its exec (the test binary, another incarnation for the sampler): a
+        // profile of a sample or two, of another program, in whichever round the fork
+        // was sampled. Exempt from the duplicate and overlap checks only: it must hold
+        // neither program's frames nor the other program's labels.
+        let (mut recs, aside): (Vec<_>, Vec<_>) = records_of(&f, p.pid())
+            .into_iter()
+            .partition(|(_, e)| e["labels"]["executable"].as_str() == Some(comm));
+        for (file, e) in &aside {
+            eprintln!("{comm}: a pre-exec profile set aside: {e}");
+            assert!(
+                e["samples"].as_u64().unwrap_or(u64::MAX) <= 2,
+                "{comm}: a profile of another program under this pid (seed {seed}): {e}"
+            );
+            let other = if comm == "busy" { "busy_other" } else { "busy" };
+            for label in ["comm", "executable"] {
+                assert_ne!(e["labels"][label].as_str(), Some(other), "{e}");
+            }
+            let funcs = functions_in(std::slice::from_ref(file));
+            assert!(
+                !funcs.contains(own) && !funcs.contains(foreign),
+                "{comm}: a pre-exec profile holds a workload's frames (seed {seed}): {e} {funcs:?}"
+            );
+        }
         // No duplicates: each (session, round) once, and no two profiles of the process
         // cover the same time.
         recs.sort_by_key(|(_, e)| e["start_ns"].as_u64());
-        // One exception, in the process's first round only: a sample taken while the
-        // harness's fork was exec'ing belongs to the process before its exec (another
-        // incarnation for the sampler), a profile of a sample or two beside the
-        // program's own. A round re-delivered after a fault is never the first.
-        let first = recs
-            .first()
-            .map(|(_, e)| (e["session_id"].as_u64(), e["round"].as_u64()));
-        let key = |e: &serde_json::Value| (e["session_id"].as_u64(), e["round"].as_u64());
-        let in_first: Vec<usize> = (0..recs.len())
-            .filter(|&i| Some(key(&recs[i].1)) == first)
-            .collect();
-        // Exempt from the duplicate and overlap checks only: its labels must not be
-        // the other program's, and its frames are checked with the rest.
-        let mut aside = None;
-        if in_first.len() == 2 {
-            if let Some(&i) = in_first
-                .iter()
-                .find(|&&i| recs[i].1["samples"].as_u64().unwrap_or(u64::MAX) <= 2)
-            {
-                eprintln!(
-                    "{comm}: first round's pre-exec profile set aside: {}",
-                    recs[i].1
-                );
-                aside = Some(recs.remove(i));
-            }
-        }
         let mut seen = std::collections::HashSet::new();
         for w in recs.windows(2) {
             assert!(
@@ -559,14 +556,7 @@ fn kills_at_random_points_neither_duplicate_nor_mislabel() {
         }
         let sessions: std::collections::HashSet<_> =
             recs.iter().map(|(_, e)| e["session_id"].as_u64()).collect();
-        let mut files: Vec<_> = recs.into_iter().map(|(f, _)| f).collect();
-        if let Some((f, e)) = aside {
-            let other = if comm == "busy" { "busy_other" } else { "busy" };
-            for label in ["comm", "executable"] {
-                assert_ne!(e["labels"][label].as_str(), Some(other), "{e}");
-            }
-            files.push(f);
-        }
+        let files: Vec<_> = recs.into_iter().map(|(f, _)| f).collect();
         let funcs = functions_in(&files);
         assert!(funcs.contains(own), "{comm}: {own} missing");
         assert!(

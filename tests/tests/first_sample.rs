@@ -36,7 +36,22 @@ fn whole_share(
     counted: impl Fn(&[String]) -> bool + Copy,
     whole: impl Fn(&[String]) -> bool + Copy,
 ) -> (f64, u64, Vec<String>) {
-    let mut files: Vec<PathBuf> = f.profiles_of(pid);
+    // A sample between the harness's fork and its exec is the test binary's, under the
+    // same pid in a record of its own (named after the test binary, or after nothing
+    // when it exec'd before /proc could be read and no other process described it).
+    let me = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let mut files: Vec<PathBuf> = index_records(&f.out)
+        .into_iter()
+        .filter(|(_, e)| {
+            e["labels"]["pid"].as_str() == Some(pid.to_string().as_str())
+                && e["labels"]["executable"]
+                    .as_str()
+                    .is_some_and(|x| !x.is_empty() && Some(x) != me.as_deref())
+        })
+        .map(|(p, _)| p)
+        .collect();
     files.sort();
     assert!(!files.is_empty(), "no profile of {pid}");
     let rounds = files

@@ -207,10 +207,12 @@ fn documents_match_the_local_index() {
     // that serves the local file.
     let profiles = docs(&state, "profile", pid);
     // A sample between the fork and the exec is the test binary's process under the same
-    // pid, with a document of its own.
+    // pid, with a document of its own; of busy's, the fullest round (its first and last
+    // are partial, a few samples in start-up or exit code).
     let p = profiles
         .iter()
-        .find(|p| p["labels"]["executable"] == "busy")
+        .filter(|p| p["labels"]["executable"] == "busy")
+        .max_by_key(|p| p["samples"].as_u64())
         .unwrap_or_else(|| panic!("no profile document of the pid is busy's: {profiles:#?}"));
     assert_eq!(p["comm"], "busy");
     assert_eq!(
