@@ -316,14 +316,14 @@ impl Firn {
             .collect()
     }
 
-    /// Waits until `pid` has at least `rounds` profiles. A profile per round, but for
+    /// Waits until `pid` has at least `profiles` profiles. A profile per round, but for
     /// the round of a sample between the harness's fork and its exec, which holds a
     /// profile of the test binary's too, so it may return a round early.
-    pub fn wait_profiles(&self, pid: u32, rounds: usize, timeout: Duration) -> Vec<PathBuf> {
+    pub fn wait_profiles(&self, pid: u32, profiles: usize, timeout: Duration) -> Vec<PathBuf> {
         let t0 = Instant::now();
         loop {
             let p = self.profiles_of(pid);
-            if p.len() >= rounds || t0.elapsed() > timeout {
+            if p.len() >= profiles || t0.elapsed() > timeout {
                 return p;
             }
             std::thread::sleep(Duration::from_millis(200));

@@ -59,6 +59,53 @@ pub fn pid_rounds(out: &Path, pid: u32) -> std::collections::BTreeMap<u64, u64> 
     m
 }
 
+/// Index records: (file, whole index line).
+pub type Records = Vec<(PathBuf, Value)>;
+
+/// `pid`'s index records under `out`.
+pub fn pid_records(out: &Path, pid: u32) -> Records {
+    index_records(out)
+        .into_iter()
+        .filter(|(_, e)| e["labels"]["pid"].as_str() == Some(pid.to_string().as_str()))
+        .collect()
+}
+
+/// A workload's records (`pid_records`) split into its own and those of the harness's
+/// fork before its exec. A sample between the fork and the exec is the test binary's,
+/// another process to the sampler, in a record of its own named after the test binary,
+/// or after nothing when the child exec'd before /proc could be read and no other
+/// process described it. Fails the test when what is set aside is more than such a
+/// sample can be: over 2 samples in all, or a record later than the workload's first
+/// (a record of the workload that lost its labels is then caught, not set aside).
+pub fn split_pre_exec(records: Records) -> (Records, Records) {
+    let me = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+    let (aside, own): (Vec<_>, Vec<_>) =
+        records
+            .into_iter()
+            .partition(|(_, e)| match e["labels"]["executable"].as_str() {
+                None | Some("") => true,
+                Some(x) => Some(x) == me.as_deref(),
+            });
+    let first = own.iter().filter_map(|(_, e)| e["start_ns"].as_u64()).min();
+    let samples = aside
+        .iter()
+        .map(|(_, e)| e["samples"].as_u64().unwrap_or(u64::MAX))
+        .fold(0u64, u64::saturating_add);
+    assert!(
+        samples <= 2,
+        "{samples} samples in records without the workload's executable: {aside:#?}"
+    );
+    for (_, e) in &aside {
+        assert!(
+            e["start_ns"].as_u64() <= first,
+            "a record without the workload's executable after its first: {e}"
+        );
+    }
+    (own, aside)
+}
+
 /// (round start_ns → off-CPU ns) of process `pid` in the local pprof files, each read
 /// by `go tool pprof -sample_index=off_cpu` (the reference the backends are held to).
 pub fn pid_off_cpu_rounds(out: &Path, pid: u32) -> std::collections::BTreeMap<u64, u64> {

@@ -36,22 +36,10 @@ fn whole_share(
     counted: impl Fn(&[String]) -> bool + Copy,
     whole: impl Fn(&[String]) -> bool + Copy,
 ) -> (f64, u64, Vec<String>) {
-    // A sample between the harness's fork and its exec is the test binary's, under the
-    // same pid in a record of its own (named after the test binary, or after nothing
-    // when it exec'd before /proc could be read and no other process described it).
-    let me = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
-    let mut files: Vec<PathBuf> = index_records(&f.out)
-        .into_iter()
-        .filter(|(_, e)| {
-            e["labels"]["pid"].as_str() == Some(pid.to_string().as_str())
-                && e["labels"]["executable"]
-                    .as_str()
-                    .is_some_and(|x| !x.is_empty() && Some(x) != me.as_deref())
-        })
-        .map(|(p, _)| p)
-        .collect();
+    // Not the harness's fork before its exec (a record of the test binary's under the
+    // same pid, bounded by split_pre_exec).
+    let (own, _) = split_pre_exec(pid_records(&f.out, pid));
+    let mut files: Vec<PathBuf> = own.into_iter().map(|(p, _)| p).collect();
     files.sort();
     assert!(!files.is_empty(), "no profile of {pid}");
     let rounds = files
@@ -137,7 +125,8 @@ fn whole_stacks_from_the_first_sample_with_default_rounds() {
         m("firn_sampler_unwind_rows_in_use"),
         m("firn_sampler_unwind_tables_refused_budget")
     );
-    let mut files = f.profiles_of(pids[3]);
+    let (own, _) = split_pre_exec(pid_records(&f.out, pids[3]));
+    let mut files: Vec<PathBuf> = own.into_iter().map(|(p, _)| p).collect();
     files.sort();
     let t = line_traces(&files);
     let (s, n) = share(
