@@ -350,32 +350,44 @@ mod tests {
         }
     }
 
-    /// Documents: one profile, one per distinct stack (leaf first), heaviest first, and
-    /// the stack and byte bounds leave out the lightest, counted.
-    #[test]
-    fn documents_and_their_bounds() {
-        let round = Round {
+    /// Round 3 of session 1, ten seconds at 100 Hz.
+    fn round_of(off_cpu: bool, stacks: Vec<crate::model::StackSample>) -> Round {
+        Round {
             session_id: 1,
             round: 3,
             start_ns: 1_796_100_600_000_000_000,
             end_ns: 1_796_100_610_000_000_000,
             frequency_hz: 100,
-            off_cpu: false,
-            stacks: vec![
+            off_cpu,
+            stacks,
+        }
+    }
+
+    fn format() -> Format {
+        Format {
+            index_prefix: "p".into(),
+            max_stacks: 10,
+            max_bytes: 1 << 20,
+            pprof_base: "http://h:1".into(),
+        }
+    }
+
+    /// Documents: one profile, one per distinct stack (leaf first), heaviest first, and
+    /// the stack and byte bounds leave out the lightest, counted.
+    #[test]
+    fn documents_and_their_bounds() {
+        let round = round_of(
+            false,
+            vec![
                 stack(&["leaf", "mid", "main"], 5),
                 stack(&["leaf", "mid", "main"], 2),
                 stack(&["other", "main"], 1),
                 stack(&["third", "main"], 3),
             ],
-        };
+        );
         let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);
         let layout = RoundLayout::new(&round, &groups);
-        let mut f = Format {
-            index_prefix: "p".into(),
-            max_stacks: 10,
-            max_bytes: 1 << 20,
-            pprof_base: "http://h:1".into(),
-        };
+        let mut f = format();
         let (body, enc) = encode(&round, &groups, &layout, &f).unwrap();
         assert_eq!((enc.profiles, enc.stacks, enc.stacks_left_out), (1, 3, 0));
         let lines: Vec<Value> = body
@@ -415,30 +427,20 @@ mod tests {
     /// profile document each, none overwriting the other, and their stacks apart.
     #[test]
     fn equal_labels_of_two_processes_keep_two_documents() {
-        let round = Round {
-            session_id: 1,
-            round: 3,
-            start_ns: 1_796_100_600_000_000_000,
-            end_ns: 1_796_100_610_000_000_000,
-            frequency_hz: 100,
-            off_cpu: false,
-            stacks: vec![
+        let round = round_of(
+            false,
+            vec![
                 stack(&["leaf", "main"], 5),
                 crate::model::StackSample {
                     process_id: 2,
                     ..stack(&["leaf", "main"], 1)
                 },
             ],
-        };
+        );
         let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);
         assert_eq!(groups.len(), 2);
         let layout = RoundLayout::new(&round, &groups);
-        let f = Format {
-            index_prefix: "p".into(),
-            max_stacks: 10,
-            max_bytes: 1 << 20,
-            pprof_base: "http://h:1".into(),
-        };
+        let f = format();
         let (body, enc) = encode(&round, &groups, &layout, &f).unwrap();
         assert_eq!((enc.profiles, enc.stacks), (2, 2));
         let lines: Vec<Value> = body
@@ -468,29 +470,19 @@ mod tests {
             off_cpu_ns: ns,
             ..stack(fns, 0)
         };
-        let round = Round {
-            session_id: 1,
-            round: 3,
-            start_ns: 1_796_100_600_000_000_000,
-            end_ns: 1_796_100_610_000_000_000,
-            frequency_hz: 100,
-            off_cpu: true,
-            stacks: vec![
+        let round = round_of(
+            true,
+            vec![
                 stack(&["leaf", "main"], 5),
                 stack(&["other", "main"], 1),
                 off(&["pipe_read", "wait_pipe", "main"], 7_000_000_000),
                 off(&["pipe_read", "wait_pipe", "main"], 1_000_000_000),
                 off(&["do_nanosleep", "wait_sleep", "main"], 3_000_000_000),
             ],
-        };
+        );
         let groups = crate::output::group::groups(&round, crate::settings::ProfileBy::Process);
         let layout = RoundLayout::new(&round, &groups);
-        let mut f = Format {
-            index_prefix: "p".into(),
-            max_stacks: 10,
-            max_bytes: 1 << 20,
-            pprof_base: "http://h:1".into(),
-        };
+        let mut f = format();
         let docs = |f: &Format| -> (Vec<Value>, Encoding) {
             let (body, enc) = encode(&round, &groups, &layout, f).unwrap();
             let v = body
