@@ -342,14 +342,16 @@ def write_report(res, update):
     WORK.mkdir(parents=True, exist_ok=True)
     (WORK / "suite.json").write_text(json.dumps(res, indent=1, default=str))
     m, p = res["machine"], res["params"]
-    head = (f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; "
-            f"{p['pairs']} interleaved repetitions of {p['seconds']} s, firn rounds of {p['round']} s; "
-            f"peers: {m['peers']}. Median (min–max).")
+    def head_of(pairs):
+        return (f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; "
+                f"{pairs} interleaved repetitions of {p['seconds']} s, firn rounds of {p['round']} s; "
+                f"peers: {m['peers']}. Median (min–max).")
+    head = head_of(p["pairs"])
     sections = {}
     if "overhead" in res:
         sections["bench-overhead"] = head + "\n\n" + table(res["overhead"], "overhead")
     if "idle" in res:
-        sections["bench-idle"] = head + "\n\n" + table(res["idle"], "idle")
+        sections["bench-idle"] = head_of(p.get("idle_pairs") or p["pairs"]) + "\n\n" + table(res["idle"], "idle")
     if "rest" in res:
         sections["bench-rest"] = (
             f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
