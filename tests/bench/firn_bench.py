@@ -10,6 +10,10 @@ bpftrace (`profile:hz:HZ { @[kstack, ustack, comm] = count(); }`) and BCC's
             iterations per second), with no profiler and with each profiler, at each
             frequency; runs interleaved (none, firn, perf, bpftrace, bcc, none, …);
   idle      the same profilers with no workload;
+  unwind    firn and bpftrace on busy.c built with plain gcc -O2 (no frame pointers:
+            firn walks it from tables); then #31's target, firn on that build against
+            bpftrace on the frame-pointer one, in pairs of runs back to back and with
+            both profilers at once, the workloads taking turns (target_together.py);
   rest      firn only, its cost of being installed: idle, idle with a program firn has
             never seen started at the window's start (another Python interpreter than
             the harness's, with some extension modules: its first wave of table loads
@@ -54,6 +58,7 @@ import benchlib as bl  # noqa: E402
 import offcpu_bench  # noqa: E402
 import python_bench  # noqa: E402
 from profilers import BCC_PROFILE, COMM, ROOT, Bcc, Bpftrace, Firn, Perf, _read  # noqa: E402
+import target_together  # noqa: E402
 from runs import (  # noqa: E402
     log, one_run, rest_run, scale_churn, scale_many_processes, series, target_pairs, target_table,
     upload_run)
@@ -376,6 +381,14 @@ def write_report(res, update):
                      "bpftrace walking the frame-pointer one, in pairs of runs back to back (which one "
                      "first alternating), the ratio taken within each pair; BPF ns per run as above.\n\n"
                      + target_table(res["unwind_target"]))
+        if res.get("unwind_together"):
+            r0 = res["unwind_together"][0]
+            body += (f"\n\nThe same target with both profilers at once (`target_together.py`: both "
+                     "workloads alive, taking turns under SIGSTOP every "
+                     f"{r0['phase']:g} s, {r0['phases']} turns each a run, one profiler at Hz − "
+                     f"{r0['beat']}), so the host's drift cancels within a run; the ratio is the "
+                     "figure, each profiler's ns include the other's cache traffic.\n\n"
+                     + target_together.table(res["unwind_together"]))
         if res.get("unwind_memory"):
             body += ("\n\nKernel memory of firn's maps at the end of its last 99 Hz run (every "
                      "process on the machine profiled):\n\n" + kernel_memory_table(res["unwind_memory"]))
@@ -551,6 +564,8 @@ def main():
             if "firn" in peers and "bpftrace" in peers:
                 res["unwind_target"] = target_pairs(freqs, args.pairs, nofp, out / COMM,
                                                     args.seconds, args.round)
+                res["unwind_together"] = target_together.measure(
+                    [f for f in freqs if f < 999], 4, nofp, out / COMM)
         if "python" in parts:
             res["python"] = python_bench.run(out, 99, args.round, args.seconds, args.pairs)
         if "offcpu" in parts:

@@ -141,5 +141,29 @@ class RatioMean(unittest.TestCase):
         self.assertIsNone(b.ratio_mean([]))
 
 
+class TargetTogether(unittest.TestCase):
+    """target_together.py's per-phase sums and its table."""
+
+    def test_ns_per_sample_of_a_workload_and_none_without_samples(self):
+        import target_together as t
+        got = {"firn": {"nofp": [9000, 3], "fp": [0, 0]}}
+        self.assertEqual(t.per(got, "firn", "nofp"), 3000)
+        self.assertIsNone(t.per(got, "firn", "fp"))
+
+    def test_a_row_without_usable_runs_shows_dashes(self):
+        import target_together as t
+        row = {"hz": 99, "phases": 10, "phase": 2.0, "beat": 2, "firn": [None], "bpftrace": [None],
+               "ratios": [], "same": []}
+        line = t.table([row]).splitlines()[-1]
+        self.assertEqual(line, "| 99 | 0 | – | – | – | – |")
+
+    def test_ratios_are_summarized(self):
+        import target_together as t
+        row = {"hz": 19, "phases": 10, "phase": 2.0, "beat": 2, "firn": [600, 700], "bpftrace": [1000, 1000],
+               "ratios": [0.6, 0.7], "same": [0.8, 0.8]}
+        line = t.table([row]).splitlines()[-1]
+        self.assertIn("| 19 | 2 | 650 (600–700) | 1000 (1000–1000) | 0.65 (0.60–0.70); geometric mean 0.648", line)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -18,9 +18,21 @@ pub struct Encoded {
 
 const PROCESS_LABELS: &[&str] = &["pid", "comm", "executable", "thread_id", "thread_name"];
 
-/// A round's stacks grouped by what one profile covers: each group's label set and the
-/// indices of its stacks in `round.stacks`.
-pub type Groups = Vec<(Arc<LabelSet>, Vec<usize>)>;
+/// The stacks of a round one profile covers.
+#[derive(Debug, Clone)]
+pub struct Group {
+    pub labels: Arc<LabelSet>,
+    /// The sampler's process id with `--profile-by process`, else 0. Per process two
+    /// groups of a round can carry equal labels (a program that exec'd itself, or was
+    /// sampled between its exec and the kernel's count of it): the ids the backends
+    /// give a group hash this with the labels, so neither overwrites the other.
+    pub process: u64,
+    /// Indices of its stacks in `round.stacks`, in the round's order.
+    pub stacks: Vec<usize>,
+}
+
+/// A round's groups.
+pub type Groups = Vec<Group>;
 
 /// Groups a round once; every sink encodes from the same groups.
 pub fn groups(round: &Round, by: ProfileBy) -> Groups {
@@ -48,7 +60,14 @@ pub fn groups(round: &Round, by: ProfileBy) -> Groups {
         };
         groups.entry(key).or_default().push(i);
     }
-    groups.into_iter().map(|((l, _), idx)| (l, idx)).collect()
+    groups
+        .into_iter()
+        .map(|((labels, process), stacks)| Group {
+            labels,
+            process,
+            stacks,
+        })
+        .collect()
 }
 
 /// Every group's profile as the local files carry it: on-CPU, and off-CPU as a third
@@ -61,7 +80,7 @@ pub fn per_label_set(round: &Round, groups: &Groups) -> Vec<Encoded> {
     groups
         .iter()
         .enumerate()
-        .filter_map(|(g, (labels, idx))| encode(round, g, labels, idx, types))
+        .filter_map(|(g, gr)| encode(round, g, &gr.labels, &gr.stacks, types))
         .collect()
 }
 
@@ -103,5 +122,55 @@ pub(crate) fn encode(
             tracing::warn!(error = %e, "encoding a profile");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::StackSample;
+
+    /// Two processes with equal labels (one exec'd itself) and a third of another pid.
+    fn round() -> Round {
+        let labels = |pid: &str| Arc::new(vec![("pid".to_string(), pid.to_string())]);
+        let same = labels("7");
+        let stack = |process_id, labels: &Arc<LabelSet>| StackSample {
+            process_id,
+            labels: labels.clone(),
+            frames: Arc::from(Vec::new()),
+            count: 1,
+            off_cpu_ns: 0,
+        };
+        Round {
+            session_id: 1,
+            round: 1,
+            start_ns: 0,
+            end_ns: 1,
+            frequency_hz: 19,
+            off_cpu: false,
+            stacks: vec![stack(1, &same), stack(2, &same), stack(1, &same), stack(3, &labels("8"))],
+        }
+    }
+
+    fn sorted(g: Groups) -> Vec<(u64, Vec<usize>)> {
+        let mut v: Vec<_> = g.into_iter().map(|g| (g.process, g.stacks)).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn per_process_groups_keep_their_process_and_merged_ones_do_not() {
+        let r = round();
+        assert_eq!(
+            sorted(groups(&r, ProfileBy::Process)),
+            vec![(1, vec![0, 2]), (2, vec![1]), (3, vec![3])]
+        );
+        assert_eq!(
+            sorted(groups(&r, ProfileBy::Labels)),
+            vec![(0, vec![0, 1, 2]), (0, vec![3])]
+        );
+        let merged = groups(&r, ProfileBy::Container);
+        assert_eq!(merged.len(), 1);
+        assert_eq!((merged[0].process, merged[0].labels.len()), (0, 0));
     }
 }

@@ -54,8 +54,9 @@ fn file_stems(groups: &Groups) -> Vec<String> {
     let mut taken: std::collections::HashMap<String, u32> = std::collections::HashMap::new();
     groups
         .iter()
-        .map(|(labels, _)| {
-            let base = labels
+        .map(|g| {
+            let base = g
+                .labels
                 .iter()
                 .find(|(k, _)| k == "pid")
                 .map_or_else(|| "set".to_string(), |(_, v)| format!("pid-{v}"));
@@ -143,10 +144,15 @@ mod tests {
     #[test]
     fn names_of_a_round() {
         let labels = |pid: &str| std::sync::Arc::new(vec![("pid".to_string(), pid.to_string())]);
+        let group = |labels, process, stacks| super::super::group::Group {
+            labels,
+            process,
+            stacks,
+        };
         let groups: Groups = vec![
-            (labels("7"), vec![0]),
-            (labels("7"), vec![1]),
-            (std::sync::Arc::new(Vec::new()), vec![2]),
+            group(labels("7"), 1, vec![0]),
+            group(labels("7"), 2, vec![1]),
+            group(std::sync::Arc::new(Vec::new()), 0, vec![2]),
         ];
         let round = Round {
             session_id: 1,

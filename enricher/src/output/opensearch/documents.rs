@@ -86,7 +86,8 @@ pub fn encode(
     let mut off_cpu: Vec<Ranked> = Vec::new();
     let mut profile_ids = Vec::with_capacity(groups.len());
     let mut names = Vec::new();
-    for (g, (labels, idx)) in groups.iter().enumerate() {
+    for (g, group) in groups.iter().enumerate() {
+        let (labels, idx) = (&group.labels, &group.stacks);
         let mut label_key = Vec::new();
         for (k, v) in labels.iter() {
             label_key.extend_from_slice(k.as_bytes());
@@ -94,12 +95,10 @@ pub fn encode(
             label_key.extend_from_slice(v.as_bytes());
             label_key.push(0);
         }
-        // And the process: per process, two groups of a round can carry equal labels
-        // (a program that exec'd itself, or was sampled between its exec and the
-        // kernel's count of it), and one id would let the second document overwrite
-        // the first. The group's first stack names it, the same for a resend.
-        let process = idx.first().map_or(0, |&i| round.stacks[i].process_id);
-        let profile_id = hex_id(&[round_key.as_bytes(), &label_key, &process.to_le_bytes()]);
+        // And the process (per process only): equal labels would otherwise let one
+        // document overwrite the other.
+        let process = group.process.to_le_bytes();
+        let profile_id = hex_id(&[round_key.as_bytes(), &label_key, &process]);
         // Per distinct stack: (samples, off-CPU ns).
         let mut stacks: HashMap<Vec<Arc<str>>, (u64, u64)> = HashMap::new();
         let mut leaf: HashMap<Arc<str>, u64> = HashMap::new();

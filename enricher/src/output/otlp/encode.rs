@@ -292,9 +292,9 @@ impl Summed {
 }
 
 /// A stable id for one profile of one round: a backend may deduplicate a request that
-/// arrives twice (sent, then the enricher died before it knew). `process` is the sampler's
-/// id of the group's first process: per process, two groups of a round can carry equal
-/// labels (a program that exec'd itself), and must not share an id.
+/// arrives twice (sent, then the enricher died before it knew). `process` is the group's
+/// ([`crate::output::group::Group::process`]): per process, two groups of a round can
+/// carry equal labels, and must not share an id.
 fn profile_id(round: &Round, labels: &LabelSet, process: u64, kind: &str) -> Vec<u8> {
     let mut ctx = md5::Context::new();
     ctx.consume(round.session_id.to_le_bytes());
@@ -330,8 +330,8 @@ pub fn encode(round: &Round, groups: &Groups) -> Option<Vec<u8>> {
     };
     let off_cpu_t = round.off_cpu.then(|| dict.string("off_cpu"));
     let mut resource_profiles = Vec::with_capacity(groups.len());
-    for (labels, idx) in groups {
-        let process = idx.first().map_or(0, |&i| round.stacks[i].process_id);
+    for group in groups {
+        let (labels, idx, process) = (&group.labels, &group.stacks, group.process);
         // Equal stacks of the group sum into one sample: on-CPU samples and off-CPU
         // nanoseconds apart (a stack has one or the other).
         let (mut on, mut off) = (Summed::default(), Summed::default());

@@ -215,15 +215,15 @@ pub fn encode(round: &Round, groups: &Groups, profiles: &[Encoded]) -> Option<Ve
         .iter()
         .map(|p| {
             let samples = match (round.off_cpu, groups.get(p.group)) {
-                (true, Some((labels, idx))) => {
-                    let waited = idx.iter().any(|&i| round.stacks[i].off_cpu_ns > 0);
+                (true, Some(g)) => {
+                    let waited = g.stacks.iter().any(|&i| round.stacks[i].off_cpu_ns > 0);
                     let kinds: &[SampleTypes] = match waited {
                         true => &[SampleTypes::OnCpu, SampleTypes::OffCpuWallclock],
                         false => &[SampleTypes::OnCpu],
                     };
                     kinds
                         .iter()
-                        .filter_map(|&t| group::encode(round, p.group, labels, idx, t))
+                        .filter_map(|&t| group::encode(round, p.group, &g.labels, &g.stacks, t))
                         .map(|e| raw(&e.gz))
                         .collect()
                 }
