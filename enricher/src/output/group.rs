@@ -148,7 +148,12 @@ mod tests {
             end_ns: 1,
             frequency_hz: 19,
             off_cpu: false,
-            stacks: vec![stack(1, &same), stack(2, &same), stack(1, &same), stack(3, &labels("8"))],
+            stacks: vec![
+                stack(1, &same),
+                stack(2, &same),
+                stack(1, &same),
+                stack(3, &labels("8")),
+            ],
         }
     }
 

@@ -37,7 +37,7 @@ use debug_file::DebugFile;
 use elf::elf_facts;
 pub(crate) use elf::hex;
 use nix::sys::stat::fstat;
-use room::{Floor, Room};
+use room::{Floor, Rate, Room};
 
 use crate::metrics::Metrics;
 use crate::model::{BinaryId, Lines};
@@ -81,7 +81,8 @@ pub struct Limits {
     /// or its separate debug file's) whose parsed state is held at once. Past it parses
     /// are dropped, those cheapest to make again and longest unneeded first (their
     /// frames already named stay cached); a parse worth less than those it would push
-    /// out is made for the round from its symbol tables alone, its frames not cached.
+    /// out (one never made is priced at what the others cost a byte) is made for the
+    /// round from its symbol tables alone, its frames not cached.
     /// A binary whose tables and DWARF together are
     /// larger is named from its symbol tables only: functions, no file:line and no
     /// inline frames; one whose symbol tables alone are larger is parsed for the round
@@ -162,6 +163,8 @@ pub struct Symbolizer {
     limits: Limits,
     bytes_held: u64,
     floor: Floor,
+    /// What whole parses cost a byte: the price of one never made ([`room`]).
+    rate: Rate,
     next_serial: u64,
     debug_dirs: Vec<PathBuf>,
     metrics: Arc<Metrics>,
@@ -177,6 +180,7 @@ impl Symbolizer {
             limits,
             bytes_held: 0,
             floor: Floor::default(),
+            rate: Rate::default(),
             next_serial: 0,
             debug_dirs: DEBUG_DIRS.iter().map(PathBuf::from).collect(),
             metrics,
@@ -376,7 +380,10 @@ impl Symbolizer {
             .map(|(k, b)| (k.clone(), b.credit, b.cost))
             .collect();
         let free = self.limits.budget_bytes.saturating_sub(self.bytes_held);
-        let newcomer = parse_ns.map(|ns| self.floor.credit(ns, cost));
+        let newcomer = match parse_ns {
+            Some(ns) => Some(self.floor.credit(ns, cost)),
+            None => self.floor.credit_at(self.rate),
+        };
         let victims = match room::make_room(&mut self.floor, held, free, cost, newcomer) {
             Room::Fits => return true,
             Room::NotKept => return false,
@@ -421,11 +428,19 @@ impl Symbolizer {
 
     /// Lines for each file offset (None: no symbol covers it).
     pub fn symbolize(&mut self, id: &BinaryId, offsets: &[u64]) -> Vec<Option<Lines>> {
-        let Some(bin) = self.binaries.get(id) else {
+        let floor = self.floor;
+        let Some(bin) = self.binaries.get_mut(id) else {
             return vec![None; offsets.len()];
         };
         if bin.unparsed {
             return vec![None; offsets.len()];
+        }
+        // Asked for frames, a held parse is needed now even when they are all cached:
+        // a binary in use meets new frames. Credited only on a miss, libc's and the
+        // enricher's parses aged out under an interpreter asked now and then, and were
+        // made again a round later (every few minutes on an idle node, 36–48 ms each).
+        if let (Some(_), Some(ns)) = (&bin.parsed, bin.parse_ns) {
+            bin.credit = floor.credit(ns, bin.cost);
         }
         let (serial, path, dwarf, cost, held, parse_ns) = (
             bin.serial,
@@ -511,6 +526,7 @@ impl Symbolizer {
                 bin.parsed = parsed;
                 bin.credit = self.floor.credit(bin.parse_ns.unwrap_or(took), cost);
                 if !held {
+                    self.rate.add(took, cost);
                     self.bytes_held += cost;
                     if bin.dropped {
                         Metrics::inc(&self.metrics.symbol_reparses);

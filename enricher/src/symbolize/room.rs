@@ -6,12 +6,18 @@
 //! again from its compressed debug file each time) pushed each other out every round,
 //! and a big parse dropped every small one older than itself on the way.
 //!
-//! Each held parse has a credit: the floor when it was last needed, plus the time its
-//! last parse took per byte it holds. Room comes from the lowest credits first, and the
+//! Each held parse has a credit: the floor when it was last needed (its binary asked for
+//! frames, cached or not), plus the time its last parse took per byte it holds. Room comes from the lowest credits first, and the
 //! floor rises to the highest credit dropped, so parses not needed for a while age out
 //! whatever they cost. A parse whose own credit is below that of a parse it would push
 //! out is made for the round and not kept (the floor rises to its credit, so it gets in
 //! once the others have gone unneeded long enough).
+//!
+//! A parse never made has no time of its own: it is credited at what whole parses have
+//! cost per byte so far ([`Rate`]). Let in unpriced, a first need of an interpreter's
+//! 17 MiB of DWARF on an idle test node dropped libc's and the enricher's own parses,
+//! needed every round and dearer per byte, and both were made again the next round
+//! (36 ms, a window's whole budget at rest).
 
 /// The floor credits start from.
 #[derive(Debug, Default, Clone, Copy)]
@@ -26,10 +32,36 @@ impl Floor {
         self.0 + per_byte
     }
 
+    /// Credit of a parse needed now that was never made: at the rate of those made.
+    pub(super) fn credit_at(self, rate: Rate) -> Option<f64> {
+        rate.per_byte().map(|r| self.0 + r)
+    }
+
     fn raise(&mut self, to: f64) {
         if to > self.0 {
             self.0 = to;
         }
+    }
+}
+
+/// Time and bytes of the whole parses made so far.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Rate {
+    ns: u64,
+    bytes: u64,
+}
+
+impl Rate {
+    pub(super) fn add(&mut self, ns: u64, bytes: u64) {
+        self.ns = self.ns.saturating_add(ns);
+        self.bytes = self.bytes.saturating_add(bytes);
+    }
+
+    /// Nanoseconds a byte, weighted by bytes; None before the first parse.
+    fn per_byte(self) -> Option<f64> {
+        // Precision is irrelevant here: credits only order parses.
+        #[allow(clippy::cast_precision_loss)]
+        (self.bytes > 0).then(|| self.ns as f64 / self.bytes as f64)
     }
 }
 
@@ -45,9 +77,9 @@ pub(super) enum Room<K> {
 }
 
 /// Plans room for `need` bytes with `free` bytes free, among the parses `held` (key,
-/// credit, bytes). `newcomer` is the credit of the parse needing room, None when it was
-/// never parsed (its cost is unknown: it is let in). The floor rises with what the plan
-/// drops or turns away.
+/// credit, bytes). `newcomer` is the credit of the parse needing room, None when nothing
+/// prices it (no parse made yet: it is let in). The floor rises with what the plan drops
+/// or turns away.
 pub(super) fn make_room<K>(
     floor: &mut Floor,
     mut held: Vec<(K, f64, u64)>,
@@ -140,7 +172,7 @@ mod tests {
                 3.0,
             ),
             (
-                "never parsed: let in",
+                "unpriced: let in",
                 vec![(1, 7.0, 10)],
                 0,
                 5,
@@ -173,6 +205,42 @@ mod tests {
             assert_eq!(&got, plan, "{why}");
             assert!((floor.0 - after).abs() < 1e-9, "{why}: floor {}", floor.0);
         }
+    }
+
+    /// The idle node's first wave (the debug log of a rest window at 99 Hz, 24 MiB
+    /// budget): libc (10.6 MB, 30 ms) and the enricher (5.8 MB, 9.5 ms) held and needed
+    /// this round, then the interpreter's 17.4 MB, never parsed, needs room.
+    #[test]
+    fn a_first_parse_priced_at_the_others_rate_does_not_push_out_dearer_ones() {
+        let mut rate = Rate::default();
+        let floor = Floor::default();
+        let made = [
+            ("libc", 30_000_000, 10_598_222),
+            ("enricher", 9_500_000, 5_838_346),
+        ];
+        let held = made
+            .iter()
+            .map(|&(k, ns, bytes)| {
+                rate.add(ns, bytes);
+                (k, floor.credit(ns, bytes), bytes)
+            })
+            .collect::<Vec<_>>();
+        let free = (24 << 20) - 10_598_222 - 5_838_346;
+        let mut priced = floor;
+        let newcomer = priced.credit_at(rate);
+        assert!(newcomer.is_some());
+        assert_eq!(
+            make_room(&mut priced, held.clone(), free, 17_448_877, newcomer),
+            Room::NotKept,
+            "made for the round: libc is dearer a byte than the rate"
+        );
+        let mut unpriced = Floor::default();
+        assert_eq!(
+            make_room(&mut unpriced, held, free, 17_448_877, None),
+            Room::Drop(vec!["enricher", "libc"]),
+            "before: both dropped, and parsed again the next round"
+        );
+        assert_eq!(Floor::default().credit_at(Rate::default()), None);
     }
 
     /// Two parses that do not fit together, needed in turn: one stays held, the other

@@ -220,6 +220,59 @@ fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
     assert!(n(&metrics.symbol_parses_not_kept) >= ROUNDS - 2);
 }
 
+/// A held parse whose binary is asked every round is needed, even when its frames are
+/// all cached: it does not age out under another binary asked with new frames, and is
+/// not made again when it meets a new frame later (an idle node's libc beside an
+/// interpreter sampled now and then: a reparse of libc every few minutes).
+#[test]
+fn a_parse_asked_for_cached_frames_does_not_age_out() {
+    const ROUNDS: u64 = 12;
+    let RoomForOne {
+        mut sym,
+        metrics,
+        own,
+        theirs,
+        me,
+        libc,
+        ..
+    } = room_for_one();
+    let mine = own_offset(marker_function as *const () as usize);
+    // Pinned parse times, as in the test above: libc's three times dearer a byte.
+    let ns_of = |id: &BinaryId| if *id == libc { 3 * theirs } else { own };
+    let pin = |sym: &mut Symbolizer| {
+        let floor = sym.floor;
+        for id in [&me, &libc] {
+            if let Some(b) = sym.binaries.peek_mut(id) {
+                if b.parse_ns.is_some_and(|ns| ns != ns_of(id)) {
+                    // Just parsed: credited as its pinned time would have it.
+                    b.parse_ns = Some(ns_of(id));
+                    if b.parsed.is_some() {
+                        b.credit = floor.credit(ns_of(id), b.cost);
+                    }
+                }
+            }
+        }
+    };
+    sym.symbolize(&libc, &[0x30000]);
+    pin(&mut sym);
+    assert!(sym.binaries.peek(&libc).is_some_and(|b| b.parsed.is_some()));
+    for round in 1..=ROUNDS {
+        // libc: its cached frame every round, a new one now and then.
+        let mut offsets = vec![0x30000];
+        if round % 4 == 0 {
+            offsets.push(0x30000 + round * 0x1000);
+        }
+        sym.symbolize(&libc, &offsets);
+        pin(&mut sym);
+        sym.symbolize(&me, &[mine + round * 16]);
+        pin(&mut sym);
+    }
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&metrics.symbol_reparses), 0, "libc made again");
+    assert!(sym.binaries.peek(&libc).is_some_and(|b| b.parsed.is_some()));
+    assert_eq!(n(&metrics.symbol_parses_not_kept), ROUNDS);
+}
+
 #[test]
 fn an_unstripped_copy_replaces_a_stripped_one_with_its_build_id() {
     let stripped = std::env::temp_dir().join(format!("firn-stripped-{}", std::process::id()));
