@@ -382,13 +382,7 @@ def write_report(res, update):
                      "first alternating), the ratio taken within each pair; BPF ns per run as above.\n\n"
                      + target_table(res["unwind_target"]))
         if res.get("unwind_together"):
-            r0 = res["unwind_together"][0]
-            body += (f"\n\nThe same target with both profilers at once (`target_together.py`: both "
-                     "workloads alive, taking turns under SIGSTOP every "
-                     f"{r0['phase']:g} s, {r0['phases']} turns each a run, one profiler at Hz − "
-                     f"{r0['beat']}), so the host's drift cancels within a run; the ratio is the "
-                     "figure, each profiler's ns include the other's cache traffic.\n\n"
-                     + target_together.table(res["unwind_together"]))
+            body += "\n\n" + target_together.section(res["unwind_together"])
         if res.get("unwind_memory"):
             body += ("\n\nKernel memory of firn's maps at the end of its last 99 Hz run (every "
                      "process on the machine profiled):\n\n" + kernel_memory_table(res["unwind_memory"]))

@@ -137,6 +137,15 @@ def table(rows):
     return "\n".join(lines)
 
 
+def section(rows):
+    """The unwind section's paragraph and table (firn_bench.py)."""
+    r0 = rows[0]
+    return (f"The same target with both profilers at once (`target_together.py`: both workloads alive, "
+            f"taking turns under SIGSTOP every {r0['phase']:g} s, {r0['phases']} turns each a run, one "
+            f"profiler at Hz − {r0['beat']}), so the host's drift cancels within a run; the ratio is the "
+            "figure, each profiler's ns include the other's cache traffic.\n\n" + table(rows))
+
+
 def main():
     import firn_bench as fb  # it imports this module for its unwind part
 

@@ -134,8 +134,9 @@ pub(crate) struct Settings {
     /// debug sections, a binary's own or its separate debug file's). Parsed symbols
     /// are most of the enricher's memory: its RSS grows by about 1.5 times this. Past
     /// it parses are dropped, those cheapest to make again per byte and longest unneeded
-    /// first (frames already named stay cached), and a parse worth less than those it
-    /// would push out is made for the round only, from its symbol tables: those frames
+    /// (not asked for frames) first (frames already named stay cached), and a parse worth
+    /// less than those it would push out (one never made priced at what the others cost
+    /// a byte) is made for the round only, from its symbol tables: those frames
     /// lack file:line until its parse is kept. A binary whose DWARF does not fit, such
     /// as firn's own, is named from its symbol tables: function names without file:line
     /// or inline frames. One whose symbol tables are larger than the budget is parsed

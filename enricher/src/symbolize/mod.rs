@@ -77,16 +77,15 @@ pub(crate) fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
 pub struct Limits {
     /// Binaries kept open (LRU; each holds one fd, two with a separate debug file).
     pub binaries: usize,
-    /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own
-    /// or its separate debug file's) whose parsed state is held at once. Past it parses
-    /// are dropped, those cheapest to make again and longest unneeded first (their
-    /// frames already named stay cached); a parse worth less than those it would push
-    /// out (one never made is priced at what the others cost a byte) is made for the
-    /// round from its symbol tables alone, its frames not cached.
-    /// A binary whose tables and DWARF together are
-    /// larger is named from its symbol tables only: functions, no file:line and no
-    /// inline frames; one whose symbol tables alone are larger is parsed for the round
-    /// and dropped at once, up to [`Limits::ceiling`].
+    /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own or
+    /// its separate debug file's) whose parsed state is held at once. Past it parses are
+    /// dropped, those cheapest to make again and longest unneeded first (their frames
+    /// already named stay cached); a parse worth less than those it would push out (one
+    /// never made is priced at what the others cost a byte) is made for the round from its
+    /// symbol tables alone, its frames not cached. A binary whose tables and DWARF together
+    /// are larger is named from its symbol tables only: functions, no file:line and no
+    /// inline frames; one whose symbol tables alone are larger is parsed for the round and
+    /// dropped at once, up to [`Limits::ceiling`].
     pub budget_bytes: u64,
     /// Named frames remembered over all binaries (LRU).
     pub frames: usize,
@@ -380,10 +379,8 @@ impl Symbolizer {
             .map(|(k, b)| (k.clone(), b.credit, b.cost))
             .collect();
         let free = self.limits.budget_bytes.saturating_sub(self.bytes_held);
-        let newcomer = match parse_ns {
-            Some(ns) => Some(self.floor.credit(ns, cost)),
-            None => self.floor.credit_at(self.rate),
-        };
+        let priced = parse_ns.map(|ns| self.floor.credit(ns, cost));
+        let newcomer = priced.or_else(|| self.floor.credit_at(self.rate));
         let victims = match room::make_room(&mut self.floor, held, free, cost, newcomer) {
             Room::Fits => return true,
             Room::NotKept => return false,
@@ -435,10 +432,7 @@ impl Symbolizer {
         if bin.unparsed {
             return vec![None; offsets.len()];
         }
-        // Asked for frames, a held parse is needed now even when they are all cached:
-        // a binary in use meets new frames. Credited only on a miss, libc's and the
-        // enricher's parses aged out under an interpreter asked now and then, and were
-        // made again a round later (every few minutes on an idle node, 36–48 ms each).
+        // Asked for frames, its held parse is needed even if they are all cached ([`room`]).
         if let (Some(_), Some(ns)) = (&bin.parsed, bin.parse_ns) {
             bin.credit = floor.credit(ns, bin.cost);
         }
