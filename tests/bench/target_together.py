@@ -18,7 +18,7 @@ FP phases) is taken over phases a few seconds apart.
 Both profilers' timers firing in the same periods, the one that fires second finds the
 task's and the stack's cache lines warm; at one rate the two would keep their phase for
 the whole run (see sampler_ab.py). So one of them samples at Hz - `--beat`, which one
-alternating by run, as does the start order (use a multiple of 4 runs). Both being
+alternating every two runs, the start order every run (use a multiple of 4 runs). Both being
 attached at once, each pays for the other's cache traffic: the ratio is the figure,
 not the absolute ns (reported beside it for what they are).
 
@@ -111,7 +111,11 @@ def measure(hzs, runs, nofp, fp, phases=10, phase=2.0, beat=2):
         row = {"hz": hz, "phases": phases, "phase": phase, "beat": beat,
                "firn": [], "bpftrace": [], "ratios": [], "same": []}
         for run in range(runs):
-            rates, got = one_run(hz, run, nofp, fp, phases, phase, beat)
+            try:
+                rates, got = one_run(hz, run, nofp, fp, phases, phase, beat)
+            except Exception as e:  # reported, not fatal: the suite's other parts stand
+                log(f"together {hz} Hz {run + 1}/{runs} failed: {e}")
+                continue
             f, b, ffp = per(got, "firn", "nofp"), per(got, "bpftrace", "fp"), per(got, "firn", "fp")
             log(f"together {hz} Hz {run + 1}/{runs} (firn {rates['firn']} Hz, bpftrace {rates['bpftrace']} Hz): "
                 f"firn no-FP {f or 0:,.0f} ns, bpftrace FP {b or 0:,.0f} ns, firn FP {ffp or 0:,.0f} ns, "

@@ -91,6 +91,7 @@ impl Enricher {
             }
         }
         let mut resolved: HashMap<(BinaryId, u64), Option<Lines>> = HashMap::new();
+        self.symbolizer.asked(wanted.keys());
         for (id, offsets) in wanted {
             let lines = self.symbolizer.symbolize(&id, &offsets);
             for (o, l) in offsets.into_iter().zip(lines) {

@@ -30,12 +30,14 @@ use std::sync::Arc;
 
 mod debug_file;
 mod elf;
+mod limits;
 mod room;
 mod symtab;
 
 use debug_file::DebugFile;
 use elf::elf_facts;
 pub(crate) use elf::hex;
+pub use limits::Limits;
 use nix::sys::stat::fstat;
 use room::{Floor, Rate, Room};
 
@@ -68,50 +70,6 @@ pub(crate) fn contained<T>(f: impl FnOnce() -> T) -> Option<T> {
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     CONTAINED.with(|c| c.set(outer));
     r.ok()
-}
-
-/// Memory bounds of the symbolizer. Parsed DWARF is most of the enricher's memory: a
-/// binary's debug sections are mapped and read whole, and its function and line
-/// tables are built on the heap.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    /// Binaries kept open (LRU; each holds one fd, two with a separate debug file).
-    pub binaries: usize,
-    /// Bytes of symbol tables and DWARF (uncompressed debug sections, the binary's own or
-    /// its separate debug file's) whose parsed state is held at once. Past it parses are
-    /// dropped, those cheapest to make again and longest unneeded first (their frames
-    /// already named stay cached); a parse worth less than those it would push out (one
-    /// never made is priced at what the others cost a byte) is made for the round from its
-    /// symbol tables alone, its frames not cached. A binary whose tables and DWARF together
-    /// are larger is named from its symbol tables only: functions, no file:line and no
-    /// inline frames; one whose symbol tables alone are larger is parsed for the round and
-    /// dropped at once, up to [`Limits::ceiling`].
-    pub budget_bytes: u64,
-    /// Named frames remembered over all binaries (LRU).
-    pub frames: usize,
-}
-
-impl Limits {
-    /// Symbol tables larger than this are not parsed at all (their frames stay
-    /// addresses): 4 × the budget, at least 4 × the default. A parse holds on the heap
-    /// about a third of its symbol tables' bytes (an 8-byte index per 24-byte
-    /// symbol), so a binary with a gigabyte of symbols would have grown the enricher
-    /// by 350 MiB, every round that met it. rustc's libLLVM (26 MiB) is parsed.
-    pub fn ceiling(&self) -> u64 {
-        self.budget_bytes
-            .max(Limits::default().budget_bytes)
-            .saturating_mul(4)
-    }
-}
-
-impl Default for Limits {
-    fn default() -> Self {
-        Self {
-            binaries: 256,
-            budget_bytes: 24 << 20,
-            frames: 32 << 10,
-        }
-    }
 }
 
 /// Where separate debug files are looked up by build id (`.build-id/xx/rest.debug`),
@@ -423,18 +381,26 @@ impl Symbolizer {
         true
     }
 
+    /// Credits the held parses of binaries a round asks for frames, before any of them
+    /// makes room: the order in which the round asks them then does not matter ([`room`]).
+    pub fn asked<'a>(&mut self, ids: impl IntoIterator<Item = &'a BinaryId>) {
+        for id in ids {
+            if let Some(b) = self.binaries.peek_mut(id) {
+                if let (Some(_), Some(ns)) = (&b.parsed, b.parse_ns) {
+                    b.credit = self.floor.credit(ns, b.cost);
+                }
+            }
+        }
+    }
+
     /// Lines for each file offset (None: no symbol covers it).
     pub fn symbolize(&mut self, id: &BinaryId, offsets: &[u64]) -> Vec<Option<Lines>> {
-        let floor = self.floor;
-        let Some(bin) = self.binaries.get_mut(id) else {
+        self.asked([id]);
+        let Some(bin) = self.binaries.get(id) else {
             return vec![None; offsets.len()];
         };
         if bin.unparsed {
             return vec![None; offsets.len()];
-        }
-        // Asked for frames, its held parse is needed even if they are all cached ([`room`]).
-        if let (Some(_), Some(ns)) = (&bin.parsed, bin.parse_ns) {
-            bin.credit = floor.credit(ns, bin.cost);
         }
         let (serial, path, dwarf, cost, held, parse_ns) = (
             bin.serial,

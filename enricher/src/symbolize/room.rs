@@ -7,11 +7,14 @@
 //! and a big parse dropped every small one older than itself on the way.
 //!
 //! Each held parse has a credit: the floor when it was last needed (its binary asked for
-//! frames, cached or not), plus the time its last parse took per byte it holds. Room comes from the lowest credits first, and the
-//! floor rises to the highest credit dropped, so parses not needed for a while age out
-//! whatever they cost. A parse whose own credit is below that of a parse it would push
-//! out is made for the round and not kept (the floor rises to its credit, so it gets in
-//! once the others have gone unneeded long enough).
+//! frames, cached or not), plus the time its last parse took per byte it holds. Room
+//! comes from the lowest credits first, and the floor rises to the highest credit
+//! dropped, so parses not needed for a while age out whatever they cost. A parse whose
+//! own credit is below that of a parse it would push out is made for the round and not
+//! kept (the floor rises to its credit, so it gets in once the others have gone unasked
+//! long enough). While those it would push out are asked every round and dearer a byte,
+//! that is never: it stays named from its symbol tables, without file:line, rather than
+//! the dearer parse being made again every few rounds (a larger budget holds both).
 //!
 //! A parse never made has no time of its own: it is credited at what whole parses have
 //! cost per byte so far ([`Rate`]). Let in unpriced, a first need of an interpreter's

@@ -220,6 +220,28 @@ fn parses_that_do_not_fit_together_do_not_push_each_other_out_every_round() {
     assert!(n(&metrics.symbol_parses_not_kept) >= ROUNDS - 2);
 }
 
+/// A parse never made is priced at what those made cost a byte: with that rate made
+/// low, libc's first parse is worth less than this binary's and is made for the round,
+/// where unpriced it was let in and pushed this binary's parse out.
+#[test]
+fn a_first_parse_is_priced_at_the_rate_of_those_made() {
+    let RoomForOne {
+        mut sym,
+        metrics,
+        me,
+        libc,
+        ..
+    } = room_for_one();
+    sym.rate = super::Rate::default();
+    sym.rate.add(1, u64::MAX >> 8);
+    sym.symbolize(&libc, &[0x30000]);
+    assert!(sym.binaries.peek(&libc).is_some_and(|b| b.parsed.is_none()));
+    assert!(sym.binaries.peek(&me).is_some_and(|b| b.parsed.is_some()));
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&metrics.symbol_parses_not_kept), 1);
+    assert_eq!(n(&metrics.symbol_parses_dropped), 0);
+}
+
 /// A held parse whose binary is asked every round is needed, even when its frames are
 /// all cached: it does not age out under another binary asked with new frames, and is
 /// not made again when it meets a new frame later (an idle node's libc beside an
