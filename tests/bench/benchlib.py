@@ -46,6 +46,13 @@ def ratio_mean(ratios):
     return math.exp(m), math.exp(sd / math.sqrt(n)), n
 
 
+def beat_turn(run):
+    """For run `run` of two samplers at once, one at a beat below the other's rate: (is
+    the first of the pair at the lower rate, is it started first). The rate alternates
+    every two runs and the start order every run, so every 4 runs balance both."""
+    return run // 2 % 2 == 0, run % 2 == 0
+
+
 def expected_samples(hz, seconds, cpus):
     return hz * seconds * cpus
 

@@ -110,8 +110,9 @@ def main():
                     if args.together:
                         # The one started first alternates from run to run, the one at the
                         # lower rate (--beat) every other run.
-                        ra, rb = (hz, hz - args.beat) if (run // 2) % 2 == 0 else (hz - args.beat, hz)
-                        if run % 2 == 0:
+                        b_low, a_first = bl.beat_turn(run)
+                        ra, rb = (hz, hz - args.beat) if b_low else (hz - args.beat, hz)
+                        if a_first:
                             x, y = together(args.a, args.b, (ra, rb), exe, args.seconds)
                         else:
                             y, x = together(args.b, args.a, (rb, ra), exe, args.seconds)

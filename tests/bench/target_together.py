@@ -49,9 +49,9 @@ def stats(profs):
 
 def one_run(hz, run, nofp, fp, phases, phase, beat):
     """One run: {'firn': {'nofp': (ns, cnt), 'fp': …}, 'bpftrace': {…}}."""
-    low = run // 2 % 2 == 0  # firn at the lower rate this run
+    low, first = bl.beat_turn(run)  # firn at the lower rate, firn started first
     rates = {"firn": hz - beat if low else hz, "bpftrace": hz if low else hz - beat}
-    order = ["firn", "bpftrace"] if run % 2 == 0 else ["bpftrace", "firn"]
+    order = ["firn", "bpftrace"] if first else ["bpftrace", "firn"]
     profs = {}
     works = {}
     try:

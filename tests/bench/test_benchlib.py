@@ -141,6 +141,12 @@ class RatioMean(unittest.TestCase):
         self.assertIsNone(b.ratio_mean([]))
 
 
+class BeatTurn(unittest.TestCase):
+    def test_four_runs_balance_rate_and_order(self):
+        turns = [b.beat_turn(r) for r in range(4)]
+        self.assertEqual(turns, [(True, True), (True, False), (False, True), (False, False)])
+
+
 class TargetTogether(unittest.TestCase):
     """target_together.py's per-phase sums and its table."""
 
