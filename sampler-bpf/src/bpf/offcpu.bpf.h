@@ -225,7 +225,7 @@ int firn_switch(unsigned long long *ctx)
 	set = active_set;
 	w->epoch = set_epoch;
 	__builtin_memset(&w->key, 0, sizeof(w->key));
-	key_of(ctx, 0, set, FIRN_KIND_OFF_CPU, &w->key);
+	key_of(ctx, bpf_get_current_task_btf(), 0, set, FIRN_KIND_OFF_CPU, &w->key);
 	w->set = set;
 	w->weight = every;
 	add(FIRN_CTR_OFF_WEIGHT, every);

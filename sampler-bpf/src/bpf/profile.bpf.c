@@ -383,26 +383,28 @@ static __always_inline int log_key(__u32 set, const struct firn_sample_key *key)
 	return 0;
 }
 
-/* The key of the current task with its stacks stored in set `set`; announces a process
- * seen for the first time. */
-static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind,
-				   struct firn_sample_key *key)
+/* The key of the current task (`task`, from bpf_get_current_task_btf) with its stacks
+ * stored in set `set`; announces a process seen for the first time. */
+static __always_inline void key_of(void *ctx, struct task_struct *task, int in_user, __u32 set,
+				   __u16 kind, struct firn_sample_key *key)
 {
-	__u64 id = bpf_get_current_pid_tgid();
-	__u64 cur_task = bpf_get_current_task();
-	struct task_struct *task, *leader;
+	/* `task` is current, BTF-typed: its fields are plain loads (the JIT guards them).
+	 * Ids and comm are read so rather than by four helper calls: at 99 Hz a sample
+	 * finds the kernel's code cold, and those helpers' code (strscpy_pad's among it)
+	 * was about 14 % of a sample (BENCHMARKS, thirtieth part). */
+	__u64 cur_task = (__u64)task;
+	struct task_struct *leader;
 	struct firn_unwind_state *st;
 	struct firn_proc_id pid;
 	struct firn_seen *was, fresh = {};
 	__u32 cpu, tepoch;
 
-	/* BTF-typed: its fields are plain loads (the JIT guards them), not a helper call
-	 * each as bpf_probe_read_kernel would be. */
-	task = bpf_get_current_task_btf();
-	key->tgid = id >> 32;
-	key->tid = (__u32)id;
+	key->tgid = (__u32)task->tgid;
+	key->tid = (__u32)task->pid;
 	key->kind = kind;
-	bpf_get_current_comm(&key->comm, sizeof(key->comm));
+	/* Two whole words: the kernel keeps comm NUL-ended and padded (strscpy_pad); a
+	 * rename racing the read gives a mixed name, as the helper could. */
+	__builtin_memcpy(&key->comm, (const void *)task->comm, sizeof(key->comm));
 
 	st = walk_state(&cpu);
 	if (!st) {
@@ -498,16 +500,17 @@ static __always_inline void key_of(void *ctx, int in_user, __u32 set, __u16 kind
 SEC("perf_event")
 int firn_sample(struct bpf_perf_event_data *ctx)
 {
+	struct task_struct *task = bpf_get_current_task_btf();
 	struct firn_sample_key key = {};
 	__u32 set = active_set;
 
-	if ((__u32)bpf_get_current_pid_tgid() == 0) {
+	if (task->pid == 0) {
 		bump(FIRN_CTR_IDLE);
 		return 0;
 	}
 
 	bump(FIRN_CTR_SAMPLES);
-	key_of(ctx, user_mode(ctx), set, FIRN_KIND_CPU, &key);
+	key_of(ctx, task, user_mode(ctx), set, FIRN_KIND_CPU, &key);
 	if (log_key(set, &key))
 		count_key(counts_of(set), &key, 1);
 	return 0;
