@@ -388,10 +388,11 @@ static __always_inline int log_key(__u32 set, const struct firn_sample_key *key)
 static __always_inline void key_of(void *ctx, struct task_struct *task, int in_user, __u32 set,
 				   __u16 kind, struct firn_sample_key *key)
 {
-	/* `task` is current, BTF-typed: its fields are plain loads (the JIT guards them).
-	 * Ids and comm are read so rather than by four helper calls: at 99 Hz a sample
-	 * finds the kernel's code cold, and those helpers' code (strscpy_pad's among it)
-	 * was about 14 % of a sample (BENCHMARKS, thirtieth part). */
+	/* Ids and comm are plain loads of `task` (the JIT guards them), not four helper
+	 * calls: that made a sample ~14 % cheaper at 99 Hz (BENCHMARKS, thirtieth part),
+	 * likely the helpers' cold code (strscpy_pad's) and their return thunks; this VM
+	 * has no counters to tell. The address kept in the walk state for the thread memo
+	 * is allowed because the loader has CAP_PERFMON. */
 	__u64 cur_task = (__u64)task;
 	struct task_struct *leader;
 	struct firn_unwind_state *st;
@@ -399,12 +400,14 @@ static __always_inline void key_of(void *ctx, struct task_struct *task, int in_u
 	struct firn_seen *was, fresh = {};
 	__u32 cpu, tepoch;
 
-	key->tgid = (__u32)task->tgid;
-	key->tid = (__u32)task->pid;
+	key->tgid = task->tgid;
+	key->tid = task->pid;
 	key->kind = kind;
-	/* Two whole words: the kernel keeps comm NUL-ended and padded (strscpy_pad); a
-	 * rename racing the read gives a mixed name, as the helper could. */
-	__builtin_memcpy(&key->comm, (const void *)task->comm, sizeof(key->comm));
+	/* Two whole words: the kernel keeps comm NUL-ended and zero-padded. Unlike the
+	 * helper's copy, one racing a rename or an exec may keep the old name's bytes after
+	 * the NUL or have no NUL: the sampler cuts at the first NUL or at 16 bytes, and at
+	 * worst one count is split in two keys that read the same. */
+	__builtin_memcpy(&key->comm, task->comm, sizeof(key->comm));
 
 	st = walk_state(&cpu);
 	if (!st) {
