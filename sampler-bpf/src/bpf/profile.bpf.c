@@ -403,10 +403,11 @@ static __always_inline void key_of(void *ctx, struct task_struct *task, int in_u
 	key->tgid = task->tgid;
 	key->tid = task->pid;
 	key->kind = kind;
-	/* Two whole words: the kernel keeps comm NUL-ended and zero-padded. Unlike the
-	 * helper's copy, one racing a rename or an exec may keep the old name's bytes after
-	 * the NUL or have no NUL: the sampler cuts at the first NUL or at 16 bytes, and at
-	 * worst one count is split in two keys that read the same. */
+	/* Two whole words: the kernel keeps comm NUL-ended and zero-padded. The helper's
+	 * copy always had both; this one, racing a rename or an exec, may keep the old
+	 * name's bytes after the NUL or hold 16 bytes without one (the helper gave 15). The
+	 * sampler cuts at the first NUL or at 16 bytes; a torn read mixes two names, as the
+	 * helper's could. */
 	__builtin_memcpy(&key->comm, task->comm, sizeof(key->comm));
 
 	st = walk_state(&cpu);
