@@ -47,9 +47,10 @@ def ratio_mean(ratios):
 
 
 def beat_turn(run):
-    """For run `run` of two samplers at once, one at a beat below the other's rate: (is
-    the first of the pair at the lower rate, is it started first). The rate alternates
-    every two runs and the start order every run, so every 4 runs balance both."""
+    """For run `run` of two samplers at once, one at a beat below the other's rate: (the
+    rate's turn, the start order's turn), two booleans each caller maps to its pair (which
+    one samples lower, which one starts first). The rate's turn alternates every two runs
+    and the order's every run, so every 4 runs balance both."""
     return run // 2 % 2 == 0, run % 2 == 0
 
 
