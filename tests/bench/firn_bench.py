@@ -64,18 +64,15 @@ from runs import (  # noqa: E402
     upload_run)
 
 WORK = ROOT / "target" / "bench"
+# The enricher's CPU by the meter before proc_cpu (live threads only), in the same runs.
+LIVE, REST_LIVE = "cpu_window_per_s_enricher_live_threads", "enricher_ms_per_s_live_threads"
 
 
 # ---------------------------------------------------------------- set-up
 
 def install_peers():
-    need = []
-    if not shutil.which("perf"):
-        need.append("linux-perf")
-    if not shutil.which("bpftrace"):
-        need.append("bpftrace")
-    if not os.path.exists(BCC_PROFILE):
-        need.append("bpfcc-tools")
+    need = [pkg for pkg, have in (("linux-perf", shutil.which("perf")), ("bpftrace", shutil.which("bpftrace")),
+                                  ("bpfcc-tools", os.path.exists(BCC_PROFILE))) if not have]
     if need:
         log("installing", " ".join(need))
         subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", *need], check=True,
@@ -219,6 +216,8 @@ def summarize(runs, kind):
                     row[f"cpu_window_per_s_{part}"] = bl.med([r[f"cpu_window_per_s_{part}"] for r in rs])
                     row[f"rss_peak_{part}_mib"] = bl.med([r[f"rss_peak_{part}_kib"] / 1024 for r in rs])
                     row[f"rss_{part}_mib"] = bl.med([r[f"rss_kib_{part}"] / 1024 for r in rs])
+                if all(LIVE in r for r in rs):
+                    row[LIVE] = bl.med([r[LIVE] for r in rs])
         rows.append(row)
     return rows
 
@@ -241,6 +240,7 @@ def table(rows, kind):
             cpu = ms(r["cpu_window_per_s"])
             if r["profiler"] == "firn":
                 cpu += f"<br>sampler {ms(r['cpu_window_per_s_sampler'])}<br>enricher {ms(r['cpu_window_per_s_enricher'])}"
+                cpu += f" (live threads only: {ms(r[LIVE])})" if LIVE in r else ""
             rss = bl.fmt(r["rss_peak_mib"], "{:.1f}")
             if r["profiler"] == "firn":
                 rss += (f"<br>sampler {bl.fmt(r['rss_peak_sampler_mib'], '{:.1f}')}"
@@ -306,7 +306,8 @@ def rest_table(rows):
            "and symbol parses inside the window, held to the idle targets. \"in the window\": new "
            "processes the sampler saw, tables the enricher built, and symbol parses (first loads, "
            "reparses, one-round parses) during the 60 s; then the enricher's ms in them building tables and "
-           "symbolizing (parses included), and the sampler's ms loading tables.", "",
+           "symbolizing (parses included), and the sampler's ms loading tables. CPU is each process's "
+           "CPU clock, ended threads included (before, a sum over its live threads: \"live threads only\").", "",
            "| machine | Hz | runs | sampler CPU ms/s | enricher CPU ms/s | together | target | "
            "sampler RSS MiB (end / peak) | enricher RSS MiB (end / peak) | symbols held MiB | "
            "BPF maps MiB | table loads: rows, sampler ns/row | in the window: processes/tables/parses; enricher ms building/symbolizing, sampler ms loading tables |",
@@ -330,8 +331,10 @@ def rest_table(rows):
                and med("sampler_peak_mib")[0] <= 10)
         verdict.append(f"RSS: {'met' if mem else 'missed'}")
         verdict = "; ".join(verdict)
+        live = ("" if any(REST_LIVE not in r for r in rs) else
+                f"<br>live threads only: {bl.fmt(med(REST_LIVE), '{:.2f}')}")
         out.append(f"| {state} | {hz} | {len(rs)} | {bl.fmt(med('sampler_ms_per_s'), '{:.2f}')} | "
-                   f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
+                   f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')}{live} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
                    f"{bl.fmt(med('sampler_rss_mib'), '{:.1f}')} / {bl.fmt(med('sampler_peak_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('enricher_rss_mib'), '{:.1f}')} / {bl.fmt(med('enricher_peak_mib'), '{:.1f}')} | "
                    f"{bl.fmt(med('symbols_held_mib'), '{:.1f}')} | "

@@ -24,7 +24,21 @@ BPFTRACE_PROG = "profile:hz:{hz} {{ @[kstack, ustack, comm] = count(); }}"
 
 
 def proc_cpu(pid):
-    """CPU seconds of every thread of pid (schedstat, ns resolution); 0 once gone."""
+    """CPU seconds of pid's whole thread group, ended threads included (its process CPU
+    clock, ns resolution); 0 once gone. A sum over /proc/<pid>/task would drop a thread's
+    time when it ends: tokio's blocking threads, where the enricher builds unwind tables,
+    end 10 s after their last job, often inside a measured window, whose delta then lost
+    that thread's whole time."""
+    try:
+        # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) of the kernel's posix-cpu-timers.
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        return 0.0
+
+
+def live_threads_cpu(pid):
+    """CPU seconds of pid's live threads only (schedstat): the meter before proc_cpu,
+    kept so a run can show what it missed."""
     total = 0
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):

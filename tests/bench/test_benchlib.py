@@ -1,9 +1,12 @@
 """Unit tests of the benchmark suite's parsing and ratio math:
 `python3 -m unittest discover -s tests/bench` (tests/run.sh runs them)."""
 import math
+import subprocess
+import sys
 import unittest
 
 import benchlib as b
+import profilers
 
 # Shapes copied from real output on this machine (bpftrace v0.17.0, BCC profile -f,
 # perf record's closing lines).
@@ -169,6 +172,35 @@ class TargetTogether(unittest.TestCase):
                "ratios": [0.6, 0.7], "same": [0.8, 0.8]}
         line = t.table([row]).splitlines()[-1]
         self.assertIn("| 19 | 2 | 650 (600–700) | 1000 (1000–1000) | 0.65 (0.60–0.70); geometric mean 0.648", line)
+
+
+class ProcCpu(unittest.TestCase):
+    # A thread that burned CPU and ended: the process clock keeps its time, a sum over
+    # the live threads (the meter before) does not.
+    CHILD = """import sys, threading, time
+def burn():
+    t = time.thread_time()
+    while time.thread_time() - t < 0.3:
+        pass
+th = threading.Thread(target=burn)
+th.start()
+th.join()
+print("done", flush=True)
+sys.stdin.read()
+"""
+
+    def test_ended_thread_counts(self):
+        p = subprocess.Popen([sys.executable, "-c", self.CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            self.assertEqual(p.stdout.readline().strip(), "done")
+            whole, live = profilers.proc_cpu(p.pid), profilers.live_threads_cpu(p.pid)
+        finally:
+            p.stdin.close()
+            p.wait()
+        self.assertGreaterEqual(whole, 0.3)
+        self.assertGreaterEqual(whole - live, 0.25)
+        self.assertEqual(profilers.proc_cpu(p.pid), 0.0)
 
 
 if __name__ == "__main__":
