@@ -363,7 +363,7 @@ def write_report(res, update):
     if "rest" in res:
         sections["bench-rest"] = (
             f"Run {m['date']}, kernel {m['kernel']}, {m['cpus']} CPUs, {m['cpu_model']}; firn rounds of "
-            f"{p['round']} s, {p['rest_pairs']} run(s) per cell. CPU from each half's schedstat over 60 s "
+            f"{p['round']} s, {p['rest_pairs']} run(s) per cell. CPU from each half's process CPU clock over 60 s "
             "after 30 s from its start; RSS at the end of the window; peak = VmHWM over the whole life "
             "(start-up included). busy = `busy.c` on every CPU; four = four busy programs "
             "(`busy.c` with and without frame pointers, a python3 loop, a bash loop).\n\n" + rest_table(res["rest"]))
@@ -373,7 +373,7 @@ def write_report(res, update):
             f"{p['round']} s at 99 Hz with `busy.c` on every CPU; {p['upload_pairs']} interleaved pair(s) "
             "of runs, local sink alone vs local + OTLP + Parca (debuginfo on) + OpenSearch to the test "
             "receivers on loopback (the OpenSearch one a stand-in); the receivers run in both modes, so the "
-            "enricher profiles the same processes in each and only the sending differs. Enricher CPU from schedstat over 60 s after 60 s; RSS at the end of the window; "
+            "enricher profiles the same processes in each and only the sending differs. Enricher CPU from its process CPU clock over 60 s after 60 s; RSS at the end of the window; "
             "peak = VmHWM over its life. Median (min–max).\n\n" + upload_table(res["upload"]))
     if "unwind" in res:
         body = (head + "\n\nWorkload: `busy.c` built with plain `gcc -O2` (no frame pointers); firn "
