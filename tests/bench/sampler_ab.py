@@ -2,7 +2,8 @@
 older commit: `git worktree add /tmp/old <commit>` and `cargo build --release -p
 firn-sampler --target-dir /tmp/old-target` there) beside the same enricher, run after
 run in alternation, on busy.c built without frame pointers (the table walk) and with
-them (frame pointers). BPF ns per run from bpf_stats of the sampler's program fds over
+them (frame pointers), or (--workloads) on dd copying one byte at a time, whose samples
+mostly fall in the kernel, or on a Python loop. BPF ns per run from bpf_stats of the sampler's program fds over
 the sampling window; a run is one sample.
 
   sudo python3 tests/bench/sampler_ab.py --a OLD/firn-sampler --b target/release/firn-sampler \\
@@ -37,10 +38,18 @@ import firn_bench as fb
 import profilers as pr
 
 
-def one(binary, hz, exe, seconds):
+# Runs until killed; its frames are the interpreter's walk.
+PYTHON = """def down(n):
+    return down(n - 1) if n else sum(range(300))
+while True:
+    down(20)
+"""
+
+
+def one(binary, hz, work, seconds):
     f = pr.Firn(2)
     f.start(hz, sampler_binary=binary)
-    w = subprocess.Popen([str(exe), str(seconds + 4)], stdout=subprocess.DEVNULL)
+    w = subprocess.Popen(work(seconds + 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(2)
         ns0, cnt0 = pr.bpf_stats([f.sampler.pid])
@@ -53,7 +62,7 @@ def one(binary, hz, exe, seconds):
     return (ns1 - ns0) / max(1, cnt1 - cnt0)
 
 
-def together(first, second, rates, exe, seconds):
+def together(first, second, rates, work, seconds):
     """One run of both samplers at once, at `rates` (first's, second's): (ns/sample of
     first, of second)."""
     runs = []
@@ -65,7 +74,7 @@ def together(first, second, rates, exe, seconds):
             f.start(hz, sampler_binary=binary)
     finally:
         pr.HTTP = "127.0.0.1:17999"
-    w = subprocess.Popen([str(exe), str(seconds + 4)], stdout=subprocess.DEVNULL)
+    w = subprocess.Popen(work(seconds + 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(2)
         before = [pr.bpf_stats([f.sampler.pid]) for f in runs]
@@ -92,18 +101,32 @@ def main():
     ap.add_argument("--beat", type=int, default=0,
                     help="with --together: one sampler at Hz minus this (alternating which), so the two "
                          "timers' phases slide through each other within every run")
+    ap.add_argument("--workloads", default="nofp,fp",
+                    help="comma-separated, of: nofp (busy.c without frame pointers: the table walk), fp "
+                         "(with them), syscalls (dd bs=1 from /dev/zero to /dev/null: most samples in the "
+                         "kernel, the user stack from the registers saved at entry), python (Debian's "
+                         "python3 in a recursive loop: the interpreter's frames read)")
     args = ap.parse_args()
     if args.beat and not args.together:
         sys.exit("sampler_ab.py: --beat needs --together")
     if os.geteuid() != 0:
         sys.exit("sampler_ab.py: run as root (the sampler loads BPF)")
     out = fb.build_all(args.skip_build)
-    workloads = {"no frame pointers": fb.build_nofp(out), "frame pointers": out / pr.COMM}
+    # Each: the workload's command line for a run of so many seconds (dd runs until killed).
+    known = {"nofp": ("no frame pointers", lambda s, e=fb.build_nofp(out): [str(e), str(s)]),
+             "fp": ("frame pointers", lambda s, e=out / pr.COMM: [str(e), str(s)]),
+             "syscalls": ("system calls (dd bs=1)",
+                          lambda s: ["dd", "if=/dev/zero", "of=/dev/null", "bs=1"]),
+             "python": ("Python (22 frames deep)", lambda s: ["/usr/bin/python3", "-c", PYTHON])}
+    wanted = args.workloads.split(",")
+    if not set(wanted) <= set(known):
+        sys.exit(f"sampler_ab.py: --workloads takes {', '.join(known)}; got {args.workloads}")
+    workloads = dict(known[w] for w in wanted)
     old = pr._read("/proc/sys/kernel/bpf_stats_enabled").strip() or "0"
     open("/proc/sys/kernel/bpf_stats_enabled", "w").write("1")
     try:
         print("| workload | Hz | A ns/sample | B ns/sample | B/A |\n|---|---|---|---|---|")
-        for name, exe in workloads.items():
+        for name, work in workloads.items():
             for hz in [int(h) for h in args.hz.split(",")]:
                 a, b, ratios = [], [], []
                 for run in range(args.runs):
@@ -113,15 +136,15 @@ def main():
                         b_low, a_first = bl.beat_turn(run)
                         ra, rb = (hz, hz - args.beat) if b_low else (hz - args.beat, hz)
                         if a_first:
-                            x, y = together(args.a, args.b, (ra, rb), exe, args.seconds)
+                            x, y = together(args.a, args.b, (ra, rb), work, args.seconds)
                         else:
-                            y, x = together(args.b, args.a, (rb, ra), exe, args.seconds)
+                            y, x = together(args.b, args.a, (rb, ra), work, args.seconds)
                         a.append(x)
                         b.append(y)
                         ratios.append(y / x)
                     else:
-                        a.append(one(args.a, hz, exe, args.seconds))
-                        b.append(one(args.b, hz, exe, args.seconds))
+                        a.append(one(args.a, hz, work, args.seconds))
+                        b.append(one(args.b, hz, work, args.seconds))
                 (ma, la, ha), (mb, lb, hb) = bl.med(a), bl.med(b)
                 ratio = f"{mb / ma:.2f}"
                 if ratios:

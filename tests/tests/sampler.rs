@@ -178,6 +178,9 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
     std::thread::sleep(3 * SECS);
     let batches = batches(&dump);
     let mut names = HashSet::new();
+    // Samples taken in the kernel, and of those the ones with a user stack as well (the
+    // BPF program reads it from the registers saved at entry).
+    let (mut in_kernel, mut with_user) = (0u64, 0u64);
     for b in &batches {
         let syms: Vec<&str> = b["kernel_symbols"]
             .as_array()
@@ -186,11 +189,22 @@ fn kernel_frames_are_names_and_no_kernel_address_leaves() {
             .map(|s| s.as_str().unwrap())
             .collect();
         for s in samples_of(b, pid) {
-            for f in s["kernel_frames"].as_array().unwrap() {
+            let kernel = s["kernel_frames"].as_array().unwrap();
+            for f in kernel {
                 names.insert(syms[f.as_u64().unwrap() as usize].to_string());
+            }
+            if !kernel.is_empty() {
+                in_kernel += s["count"].as_u64().unwrap();
+                if s["user_frames"].as_array().unwrap().len() >= 2 {
+                    with_user += s["count"].as_u64().unwrap();
+                }
             }
         }
     }
+    assert!(
+        in_kernel > 0 && with_user * 10 >= in_kernel * 9,
+        "only {with_user} of {in_kernel} samples in the kernel have a user stack"
+    );
     assert!(
         names.iter().any(|n| n.starts_with("__x64_sys_")
             || n.starts_with("entry_SYSCALL_64")

@@ -296,11 +296,12 @@ static __always_inline int user_stack(void *ctx, int in_user, struct task_struct
 		st->sp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, sp));
 		st->bp = *(volatile __u64 *)((char *)ctx + __builtin_offsetof(struct pt_regs, bp));
 	} else {
-		/* In the kernel: the user registers saved at entry. */
+		/* In the kernel: the user registers saved at entry. Loads from the BTF-typed
+		 * pointer, not three bpf_probe_read_kernel calls (key_of's reason). */
 		regs = (struct pt_regs *)bpf_task_pt_regs(task);
-		st->pc = BPF_CORE_READ(regs, ip);
-		st->sp = BPF_CORE_READ(regs, sp);
-		st->bp = BPF_CORE_READ(regs, bp);
+		st->pc = regs->ip;
+		st->sp = regs->sp;
+		st->bp = regs->bp;
 	}
 	if (st->pc == 0 || st->pc >= USER_SPACE_END) {
 		key->user_status = -FIRN_EFAULT;
