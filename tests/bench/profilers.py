@@ -28,7 +28,9 @@ def proc_cpu(pid):
     clock, ns resolution); 0 once gone. A sum over /proc/<pid>/task would drop a thread's
     time when it ends: tokio's blocking threads, where the enricher builds unwind tables,
     end 10 s after their last job, often inside a measured window, whose delta then lost
-    that thread's whole time."""
+    that thread's whole time. A zombie keeps its total until it is reaped."""
+    if pid <= 0:  # the kernel would read 0 as the caller
+        return 0.0
     try:
         # MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) of the kernel's posix-cpu-timers.
         return time.clock_gettime(((~pid) << 3) | 2)

@@ -190,14 +190,10 @@ sys.stdin.read()
 """
 
     def test_ended_thread_counts(self):
-        p = subprocess.Popen([sys.executable, "-c", self.CHILD], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        try:
+        with subprocess.Popen([sys.executable, "-c", self.CHILD], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as p:
             self.assertEqual(p.stdout.readline().strip(), "done")
             whole, live = profilers.proc_cpu(p.pid), profilers.live_threads_cpu(p.pid)
-        finally:
-            p.stdin.close()
-            p.wait()
         self.assertGreaterEqual(whole, 0.3)
         self.assertGreaterEqual(whole - live, 0.25)
         self.assertEqual(profilers.proc_cpu(p.pid), 0.0)
