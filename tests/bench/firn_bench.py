@@ -60,18 +60,17 @@ import python_bench  # noqa: E402
 from profilers import BCC_PROFILE, COMM, ROOT, Bcc, Bpftrace, Firn, Perf, _read  # noqa: E402
 import target_together  # noqa: E402
 from runs import (  # noqa: E402
-    log, one_run, rest_run, scale_churn, scale_many_processes, series, target_pairs, target_table,
-    upload_run)
+    LIVE, REST_LIVE, log, one_run, rest_run, scale_churn, scale_many_processes, series, target_pairs,
+    target_table, upload_run)
 
 WORK = ROOT / "target" / "bench"
-# The enricher's CPU by the meter before proc_cpu (live threads only), in the same runs.
-LIVE, REST_LIVE = "cpu_window_per_s_enricher_live_threads", "enricher_ms_per_s_live_threads"
 
 
 # ---------------------------------------------------------------- set-up
 
 def install_peers():
-    need = [pkg for pkg, have in (("linux-perf", shutil.which("perf")), ("bpftrace", shutil.which("bpftrace")),
+    need = [pkg for pkg, have in (("linux-perf", shutil.which("perf")),
+                                  ("bpftrace", shutil.which("bpftrace")),
                                   ("bpfcc-tools", os.path.exists(BCC_PROFILE))) if not have]
     if need:
         log("installing", " ".join(need))
@@ -331,8 +330,8 @@ def rest_table(rows):
                and med("sampler_peak_mib")[0] <= 10)
         verdict.append(f"RSS: {'met' if mem else 'missed'}")
         verdict = "; ".join(verdict)
-        live = ("" if any(REST_LIVE not in r for r in rs) else
-                f"<br>live threads only: {bl.fmt(med(REST_LIVE), '{:.2f}')}")
+        live = (f"<br>live threads only: {bl.fmt(med(REST_LIVE), '{:.2f}')}"
+                if all(REST_LIVE in r for r in rs) else "")
         out.append(f"| {state} | {hz} | {len(rs)} | {bl.fmt(med('sampler_ms_per_s'), '{:.2f}')} | "
                    f"{bl.fmt(med('enricher_ms_per_s'), '{:.2f}')}{live} | {bl.fmt(tog, '{:.2f}')} | {verdict} | "
                    f"{bl.fmt(med('sampler_rss_mib'), '{:.1f}')} / {bl.fmt(med('sampler_peak_mib'), '{:.1f}')} | "

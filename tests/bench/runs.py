@@ -13,6 +13,10 @@ from pathlib import Path
 import benchlib as bl
 from profilers import ROOT, Bpftrace, Firn, bpf_stats, live_threads_cpu, proc_cpu, status_kib
 
+# The enricher's CPU by the meter before proc_cpu (live threads only), kept beside it in
+# the same runs to show what it missed: in one_run's and in rest_run's results.
+LIVE, REST_LIVE = "cpu_window_per_s_enricher_live_threads", "enricher_ms_per_s_live_threads"
+
 
 def log(*a):
     print(*a, flush=True)
@@ -43,7 +47,7 @@ def one_run(kind, prof, hz, exe, seconds):
         prof.start(hz)
         pids = prof.pids()
         c0 = {p: proc_cpu(p) for p in pids}
-        l0 = {p: live_threads_cpu(p) for p in pids}
+        l0 = live_threads_cpu(pids[1]) if prof.name == "firn" else 0.0
         b0 = bpf_stats(pids)
     t0 = time.time()
     wpid = None
@@ -55,14 +59,13 @@ def one_run(kind, prof, hz, exe, seconds):
     wall = time.time() - t0
     if prof:
         c1 = {p: proc_cpu(p) for p in pids}
-        l1 = {p: live_threads_cpu(p) for p in pids}
+        l1 = live_threads_cpu(pids[1]) if prof.name == "firn" else 0.0
         b1 = bpf_stats(pids)
         r["cpu_window_per_s"] = sum(c1[p] - c0[p] for p in pids) / wall
         if prof.name == "firn":
             r["cpu_window_per_s_sampler"] = (c1[pids[0]] - c0[pids[0]]) / wall
             r["cpu_window_per_s_enricher"] = (c1[pids[1]] - c0[pids[1]]) / wall
-            # The meter before proc_cpu (live threads only), to show what it missed.
-            r["cpu_window_per_s_enricher_live_threads"] = (l1[pids[1]] - l0[pids[1]]) / wall
+            r[LIVE] = (l1 - l0) / wall
             r["rss_kib_sampler"] = status_kib(pids[0], "VmRSS")
             r["rss_kib_enricher"] = status_kib(pids[1], "VmRSS")
         r["bpf_ns_per_run"] = (b1[0] - b0[0]) / (b1[1] - b0[1]) if b1[1] > b0[1] else float("nan")
@@ -204,8 +207,7 @@ def rest_run(hz, state, exe, rnd, warm=30, window=60, nofp=None):
     return {"hz": hz, "state": state, "window_s": t1 - t0, "warm_s": warm,
             "sampler_ms_per_s": 1000 * (c1[s] - c0[s]) / (t1 - t0),
             "enricher_ms_per_s": 1000 * (c1[e] - c0[e]) / (t1 - t0),
-            # The meter before proc_cpu (live threads only), to show what it missed.
-            "enricher_ms_per_s_live_threads": 1000 * (l1 - l0) / (t1 - t0),
+            REST_LIVE: 1000 * (l1 - l0) / (t1 - t0),
             "sampler_rss_mib": last[1], "enricher_rss_mib": last[2],
             "sampler_rss_max_mib": max((p[1] for p in points), default=float("nan")),
             "enricher_rss_max_mib": max((p[2] for p in points), default=float("nan")),

@@ -2,8 +2,8 @@
 older commit: `git worktree add /tmp/old <commit>` and `cargo build --release -p
 firn-sampler --target-dir /tmp/old-target` there) beside the same enricher, run after
 run in alternation, on busy.c built without frame pointers (the table walk) and with
-them (frame pointers), or (--workloads) on dd copying one byte at a time, whose samples
-mostly fall in the kernel, or on a Python loop. BPF ns per run from bpf_stats of the sampler's program fds over
+them (frame pointers), or (--workloads) on tests/workloads/syscalls.c, whose samples
+mostly fall in the kernel, or on tests/workloads/pydeep.py. BPF ns per run from bpf_stats of the sampler's program fds over
 the sampling window; a run is one sample.
 
   sudo python3 tests/bench/sampler_ab.py --a OLD/firn-sampler --b target/release/firn-sampler \\
@@ -38,18 +38,27 @@ import firn_bench as fb
 import profilers as pr
 
 
-# Runs until killed; its frames are the interpreter's walk.
-PYTHON = """def down(n):
-    return down(n - 1) if n else sum(range(300))
-while True:
-    down(20)
-"""
+WORKLOADS = {"nofp": "no frame pointers", "fp": "frame pointers",
+             "syscalls": "system calls (`syscalls.c`)", "python": "Python (`pydeep.py`, Debian's python3)"}
+
+
+def workload(name, out):
+    """The command line of workload `name` (a key of WORKLOADS), built into `out` if needed."""
+    w = pr.ROOT / "tests" / "workloads"
+    if name == "nofp":
+        return [str(fb.build_nofp(out))]
+    if name == "syscalls":
+        subprocess.run(["gcc", "-O2", "-g", "-o", str(out / "syscalls"), str(w / "syscalls.c")], check=True)
+        return [str(out / "syscalls")]
+    if name == "python":
+        return ["/usr/bin/python3", str(w / "pydeep.py")]
+    return [str(out / pr.COMM)]
 
 
 def one(binary, hz, work, seconds):
     f = pr.Firn(2)
     f.start(hz, sampler_binary=binary)
-    w = subprocess.Popen(work(seconds + 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = subprocess.Popen([*work, str(seconds + 4)], stdout=subprocess.DEVNULL)
     try:
         time.sleep(2)
         ns0, cnt0 = pr.bpf_stats([f.sampler.pid])
@@ -74,7 +83,7 @@ def together(first, second, rates, work, seconds):
             f.start(hz, sampler_binary=binary)
     finally:
         pr.HTTP = "127.0.0.1:17999"
-    w = subprocess.Popen(work(seconds + 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    w = subprocess.Popen([*work, str(seconds + 4)], stdout=subprocess.DEVNULL)
     try:
         time.sleep(2)
         before = [pr.bpf_stats([f.sampler.pid]) for f in runs]
@@ -103,25 +112,20 @@ def main():
                          "timers' phases slide through each other within every run")
     ap.add_argument("--workloads", default="nofp,fp",
                     help="comma-separated, of: nofp (busy.c without frame pointers: the table walk), fp "
-                         "(with them), syscalls (dd bs=1 from /dev/zero to /dev/null: most samples in the "
+                         "(with them), syscalls (tests/workloads/syscalls.c: most of its samples in the "
                          "kernel, the user stack from the registers saved at entry), python (Debian's "
-                         "python3 in a recursive loop: the interpreter's frames read)")
+                         "python3 running tests/workloads/pydeep.py: the interpreter's frames read)")
     args = ap.parse_args()
     if args.beat and not args.together:
         sys.exit("sampler_ab.py: --beat needs --together")
     if os.geteuid() != 0:
         sys.exit("sampler_ab.py: run as root (the sampler loads BPF)")
-    out = fb.build_all(args.skip_build)
-    # Each: the workload's command line for a run of so many seconds (dd runs until killed).
-    known = {"nofp": ("no frame pointers", lambda s, e=fb.build_nofp(out): [str(e), str(s)]),
-             "fp": ("frame pointers", lambda s, e=out / pr.COMM: [str(e), str(s)]),
-             "syscalls": ("system calls (dd bs=1)",
-                          lambda s: ["dd", "if=/dev/zero", "of=/dev/null", "bs=1"]),
-             "python": ("Python (22 frames deep)", lambda s: ["/usr/bin/python3", "-c", PYTHON])}
     wanted = args.workloads.split(",")
-    if not set(wanted) <= set(known):
-        sys.exit(f"sampler_ab.py: --workloads takes {', '.join(known)}; got {args.workloads}")
-    workloads = dict(known[w] for w in wanted)
+    if not set(wanted) <= set(WORKLOADS):
+        sys.exit(f"sampler_ab.py: --workloads takes {', '.join(WORKLOADS)}; got {args.workloads}")
+    out = fb.build_all(args.skip_build)
+    # Each: its command line, to which a run appends its seconds.
+    workloads = {WORKLOADS[w]: workload(w, out) for w in wanted}
     old = pr._read("/proc/sys/kernel/bpf_stats_enabled").strip() or "0"
     open("/proc/sys/kernel/bpf_stats_enabled", "w").write("1")
     try:
